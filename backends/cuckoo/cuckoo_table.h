@@ -1,0 +1,621 @@
+// tfde's concurrent cuckoo hash table: key -> fixed-size row of bytes.
+// No TensorFlow includes; the op kernels in ops.cc convert tensors and call it.
+//
+// Layout
+//   A table is kNumShards independent shards, each guarded by its own
+//   shared_mutex.  A key's shard comes from a remix of its stable hash, so it
+//   is independent of the Variable-level shard routing in hash.h.
+//   Each shard is a bucketized cuckoo hash (kSlotsPerBucket slots per bucket,
+//   two candidate buckets per key, partial-key alternate index) whose slots
+//   hold a 32-bit tag and a row id.  Rows live in an arena of geometrically
+//   growing chunks and never move, so growing a shard rehashes only its
+//   slots (8 bytes each) - the pause of one growth is bounded by the size of
+//   one shard, about 1/kNumShards of the table.
+//
+// Thread safety
+//   Every public member may be called concurrently from any thread.  Batch
+//   operations sort their keys by shard, then hold each shard's lock once
+//   (shared for reads, exclusive for writes) while they work on it; several
+//   shards are processed in parallel through the ParallelFor the caller
+//   provides.  Keys of one batch that land in one shard are processed in
+//   batch order, so duplicates behave as if applied one after another.
+#ifndef TFDE_BACKENDS_CUCKOO_CUCKOO_TABLE_H_
+#define TFDE_BACKENDS_CUCKOO_CUCKOO_TABLE_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include <sys/mman.h>
+
+#include "hash.h"
+
+namespace tfde {
+
+// Root of the errors the core throws; the kernels turn them into TF statuses.
+class TableError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// A shard would need more than kMaxRowsPerShard rows.
+class CapacityError : public TableError {
+ public:
+  using TableError::TableError;
+};
+
+// How a key is stored (K) and how callers pass it in (View).
+template <class K>
+struct KeyTraits {
+  static_assert(std::is_same_v<K, int64_t> || std::is_same_v<K, int32_t>, "int keys");
+  using View = K;
+  static constexpr bool kInline = true;  // stored at the head of its row
+  static bool Equal(const K& stored, View v) { return stored == v; }
+};
+template <>
+struct KeyTraits<std::string> {
+  using View = std::string_view;
+  static constexpr bool kInline = false;  // kept in a side vector
+  static bool Equal(const std::string& stored, View v) { return std::string_view(stored) == v; }
+};
+
+// ParallelFor(total, cost_per_unit_ns, work): calls work(begin, end) over
+// disjoint ranges covering [0, total), possibly on several threads, and
+// returns when all are done.  The kernels pass TF's intra-op pool.
+using ParallelFor =
+    std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)>;
+inline void SerialFor(int64_t total, int64_t, const std::function<void(int64_t, int64_t)>& work) {
+  if (total > 0) work(0, total);
+}
+
+// Tunables.
+constexpr int kSlotsPerBucket = 4;          // 4 tags + 4 row ids = 32 bytes
+constexpr int kShardBits = 6;               // 64 shards per table
+constexpr int kNumShards = 1 << kShardBits;
+constexpr double kMaxLoadFactor = 0.90;     // grow a shard before it gets fuller
+constexpr int kMaxKicks = 256;              // random-walk length before a forced grow
+constexpr int64_t kMinBucketsPerShard = 4;  // 16 slots: an empty table is small
+constexpr int64_t kFirstChunkRows = 64;     // arena chunk c holds 64 << c rows
+constexpr int kFirstChunkLog2 = 6;
+constexpr uint32_t kEmptyRow = 0xFFFFFFFFu;
+constexpr int64_t kMaxRowsPerShard = 0xFFFFFFF0LL;  // row ids are uint32
+constexpr int kPrefetchDistance = 8;        // keys ahead whose buckets are prefetched
+constexpr int64_t kHugePageBytes = 2 << 20;
+// Arena chunks at least this big use transparent huge pages.  Below it the
+// RSS slack of a partly used huge page would matter more than the faults saved.
+constexpr int64_t kHugePageChunkBytes = 2 << 20;
+
+// Internal remix of the stable hash: shard = top bits, bucket = low bits,
+// tag = bits 20..51.
+inline uint64_t InternalHash(uint64_t stable) { return Mix64(stable ^ 0xD6E8FEB86659FD93ULL); }
+inline int ShardIndex(uint64_t ih) { return static_cast<int>(ih >> (64 - kShardBits)); }
+inline uint32_t TagOf(uint64_t ih) { return static_cast<uint32_t>(ih >> 20); }
+
+// One shard.  Not thread-safe by itself: CuckooTable holds its lock.
+template <class K>
+class CuckooShard {
+ public:
+  using Traits = KeyTraits<K>;
+  using View = typename Traits::View;
+
+  // row_value_bytes: bytes of one row's value.
+  explicit CuckooShard(int64_t row_value_bytes, int64_t expected_rows)
+      : value_bytes_(row_value_bytes),
+        key_bytes_(Traits::kInline ? 8 : 0),
+        stride_(RoundUp8(key_bytes_ + row_value_bytes)) {
+    InitBuckets(BucketsFor(expected_rows));
+  }
+  ~CuckooShard() { FreeChunks(); }
+  CuckooShard(const CuckooShard&) = delete;
+  CuckooShard& operator=(const CuckooShard&) = delete;
+
+  int64_t size() const { return size_; }
+  // Number of row ids handed out so far (live or on the free list).
+  int64_t row_limit() const { return next_row_; }
+  bool live(int64_t row) const { return (live_[row >> 6] >> (row & 63)) & 1; }
+  const char* value_at(int64_t row) const { return RowPtr(row) + key_bytes_; }
+  char* value_at(int64_t row) { return RowPtr(row) + key_bytes_; }
+  const K& key_at(int64_t row) const {
+    if constexpr (Traits::kInline) {
+      return *reinterpret_cast<const K*>(RowPtr(row));
+    } else {
+      return side_keys_[row];
+    }
+  }
+
+  void Prefetch(uint64_t ih) const {
+    __builtin_prefetch(&buckets_[ih & mask_]);
+  }
+
+  // Row id holding `key`, or kEmptyRow.
+  uint32_t Lookup(View key, uint64_t ih) const {
+    const uint32_t tag = TagOf(ih);
+    const int64_t b1 = ih & mask_;
+    uint32_t row = ScanBucket(b1, tag, key);
+    if (row != kEmptyRow) return row;
+    return ScanBucket(AltBucket(b1, tag), tag, key);
+  }
+
+  // Row id of `key`, inserting an uninitialized row when absent.
+  uint32_t FindOrInsert(View key, uint64_t ih, bool* created) {
+    uint32_t row = Lookup(key, ih);
+    if (row != kEmptyRow) {
+      *created = false;
+      return row;
+    }
+    if (static_cast<double>(size_ + 1) > kMaxLoadFactor * capacity()) Grow();
+    row = AllocateRow(key);
+    PlaceOrGrow(TagOf(ih), ih & mask_, row);
+    ++size_;
+    *created = true;
+    return row;
+  }
+
+  // Makes room for `rows` live rows without further growth.
+  void Reserve(int64_t rows) {
+    const int64_t want = BucketsFor(rows);
+    if (want > static_cast<int64_t>(buckets_.size())) Rehash(want);
+  }
+
+  bool Remove(View key, uint64_t ih) {
+    const uint32_t tag = TagOf(ih);
+    const int64_t b1 = ih & mask_;
+    for (int64_t b : {b1, AltBucket(b1, tag)}) {
+      Bucket& bk = buckets_[b];
+      for (int s = 0; s < kSlotsPerBucket; ++s) {
+        if (bk.row[s] != kEmptyRow && bk.tag[s] == tag && Traits::Equal(key_at(bk.row[s]), key)) {
+          FreeRow(bk.row[s]);
+          bk.row[s] = kEmptyRow;
+          --size_;
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+
+  void Clear() {
+    FreeChunks();
+    side_keys_.clear();
+    side_keys_.shrink_to_fit();
+    live_.clear();
+    live_.shrink_to_fit();
+    free_rows_.clear();
+    free_rows_.shrink_to_fit();
+    next_row_ = 0;
+    size_ = 0;
+    InitBuckets(kMinBucketsPerShard);
+  }
+
+  // Bytes this shard holds on the heap (slots, rows, bookkeeping).
+  int64_t MemoryBytes() const {
+    int64_t bytes = static_cast<int64_t>(buckets_.capacity() * sizeof(Bucket)) +
+                    static_cast<int64_t>(live_.capacity() * 8 + free_rows_.capacity() * 4);
+    for (size_t c = 0; c < chunks_.size(); ++c) bytes += (kFirstChunkRows << c) * stride_;
+    if constexpr (!Traits::kInline) {
+      bytes += side_keys_.capacity() * sizeof(std::string);
+      for (const auto& k : side_keys_) bytes += k.capacity() > 15 ? k.capacity() : 0;
+    }
+    return bytes;
+  }
+
+ private:
+  struct Bucket {
+    uint32_t tag[kSlotsPerBucket];
+    uint32_t row[kSlotsPerBucket];  // kEmptyRow marks a free slot
+  };
+
+  static int64_t RoundUp8(int64_t x) { return (x + 7) & ~int64_t{7}; }
+  static int64_t BucketsFor(int64_t rows) {
+    int64_t b = kMinBucketsPerShard;
+    while (static_cast<double>(b) * kSlotsPerBucket * kMaxLoadFactor < static_cast<double>(rows))
+      b <<= 1;
+    return b;
+  }
+  double capacity() const { return static_cast<double>(buckets_.size()) * kSlotsPerBucket; }
+
+  void InitBuckets(int64_t n) {
+    Bucket empty;
+    std::fill(std::begin(empty.tag), std::end(empty.tag), 0u);
+    std::fill(std::begin(empty.row), std::end(empty.row), kEmptyRow);
+    buckets_.assign(n, empty);
+    buckets_.shrink_to_fit();
+    mask_ = n - 1;
+  }
+
+  int64_t AltBucket(int64_t b, uint32_t tag) const {
+    const uint64_t delta = ((static_cast<uint64_t>(tag) * 0xC6A4A7935BD1E995ULL) >> 32) | 1u;
+    return static_cast<int64_t>((static_cast<uint64_t>(b) ^ delta) & mask_);
+  }
+
+  uint32_t ScanBucket(int64_t b, uint32_t tag, View key) const {
+    const Bucket& bk = buckets_[b];
+    for (int s = 0; s < kSlotsPerBucket; ++s) {
+      if (bk.tag[s] == tag && bk.row[s] != kEmptyRow && Traits::Equal(key_at(bk.row[s]), key))
+        return bk.row[s];
+    }
+    return kEmptyRow;
+  }
+
+  bool TryPlace(int64_t b, uint32_t tag, uint32_t row) {
+    Bucket& bk = buckets_[b];
+    for (int s = 0; s < kSlotsPerBucket; ++s) {
+      if (bk.row[s] == kEmptyRow) {
+        bk.tag[s] = tag;
+        bk.row[s] = row;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // Puts (tag,row) into bucket b or its alternate, kicking residents along a
+  // random walk; when the walk is too long, grows and places the entry that
+  // is left without a slot.
+  void PlaceOrGrow(uint32_t tag, int64_t b, uint32_t row) {
+    while (true) {
+      if (TryPlace(b, tag, row)) return;
+      int64_t cur = AltBucket(b, tag);
+      if (TryPlace(cur, tag, row)) return;
+      for (int kick = 0; kick < kMaxKicks; ++kick) {
+        walk_state_ = walk_state_ * 6364136223846793005ULL + 1442695040888963407ULL;
+        const int s = static_cast<int>((walk_state_ >> 33) % kSlotsPerBucket);
+        Bucket& bk = buckets_[cur];
+        std::swap(bk.tag[s], tag);
+        std::swap(bk.row[s], row);
+        cur = AltBucket(cur, tag);
+        if (TryPlace(cur, tag, row)) return;
+      }
+      // (tag,row) is homeless: grow, which rehashes every resident, then
+      // place it in the bigger table from its primary bucket.
+      Grow();
+      b = InternalHashOfRow(row) & mask_;
+    }
+  }
+
+  uint64_t InternalHashOfRow(uint32_t row) const {
+    if constexpr (Traits::kInline) {
+      return InternalHash(StableHash(key_at(row)));
+    } else {
+      return InternalHash(StableHash(std::string_view(side_keys_[row])));
+    }
+  }
+
+  void Grow() { Rehash(static_cast<int64_t>(buckets_.size()) * 2); }
+
+  void Rehash(int64_t num_buckets) {
+    std::vector<Bucket> old;
+    old.swap(buckets_);
+    InitBuckets(num_buckets);
+    for (const Bucket& bk : old) {
+      for (int s = 0; s < kSlotsPerBucket; ++s) {
+        if (bk.row[s] == kEmptyRow) continue;
+        const uint32_t row = bk.row[s];
+        const uint64_t ih = InternalHashOfRow(row);
+        PlaceOrGrow(TagOf(ih), ih & mask_, row);
+      }
+    }
+  }
+
+  char* RowPtr(int64_t row) const {
+    const uint64_t q = static_cast<uint64_t>(row) + kFirstChunkRows;
+    const int c = 63 - __builtin_clzll(q) - kFirstChunkLog2;
+    const int64_t off = static_cast<int64_t>(q - (static_cast<uint64_t>(kFirstChunkRows) << c));
+    return chunks_[c] + off * stride_;
+  }
+
+  uint32_t AllocateRow(View key) {
+    uint32_t row;
+    if (!free_rows_.empty()) {
+      row = free_rows_.back();
+      free_rows_.pop_back();
+    } else {
+      if (next_row_ >= kMaxRowsPerShard)
+        throw CapacityError("a cuckoo shard is full (" + std::to_string(next_row_) +
+                            " rows); spread the table over more shards (num_shards=)");
+      row = static_cast<uint32_t>(next_row_++);
+      const uint64_t q = static_cast<uint64_t>(row) + kFirstChunkRows;
+      const size_t c = static_cast<size_t>(63 - __builtin_clzll(q) - kFirstChunkLog2);
+      if (c >= chunks_.size()) {
+        // malloc, not new[](): pages of a fresh chunk are not touched until
+        // rows are written, so a big new chunk costs address space, not RSS.
+        char* mem = AllocateChunk((kFirstChunkRows << c) * stride_);
+        chunks_.push_back(mem);
+      }
+      if ((row >> 6) >= live_.size()) live_.push_back(0);
+      if constexpr (!Traits::kInline) side_keys_.emplace_back();
+    }
+    if constexpr (Traits::kInline) {
+      *reinterpret_cast<K*>(RowPtr(row)) = key;
+    } else {
+      side_keys_[row].assign(key.data(), key.size());
+    }
+    live_[row >> 6] |= uint64_t{1} << (row & 63);
+    return row;
+  }
+
+  static char* AllocateChunk(int64_t bytes) {
+    void* mem = nullptr;
+    if (bytes >= kHugePageChunkBytes) {
+      // Big chunks are 2 MiB aligned and advised for transparent huge
+      // pages: 512x fewer page faults when rows are first written.
+      if (posix_memalign(&mem, kHugePageBytes, bytes) != 0) mem = nullptr;
+#ifdef MADV_HUGEPAGE
+      if (mem != nullptr) madvise(mem, bytes, MADV_HUGEPAGE);
+#endif
+    } else {
+      mem = std::malloc(bytes);
+    }
+    if (mem == nullptr)
+      throw CapacityError("out of memory allocating " + std::to_string(bytes) + " bytes for a cuckoo shard");
+    return static_cast<char*>(mem);
+  }
+
+  void FreeRow(uint32_t row) {
+    live_[row >> 6] &= ~(uint64_t{1} << (row & 63));
+    if constexpr (!Traits::kInline) {
+      side_keys_[row].clear();
+      side_keys_[row].shrink_to_fit();
+    }
+    free_rows_.push_back(row);
+  }
+
+  void FreeChunks() {
+    for (char* c : chunks_) std::free(c);
+    chunks_.clear();
+  }
+
+  const int64_t value_bytes_;  // bytes of one value row; fixed for the table's life
+  const int64_t key_bytes_;    // 8 when the key is stored inline, else 0
+  const int64_t stride_;       // bytes between consecutive rows in a chunk
+  std::vector<Bucket> buckets_;  // size is a power of two; mask_ = size - 1
+  int64_t mask_ = 0;
+  std::vector<char*> chunks_;      // chunk c: kFirstChunkRows << c rows
+  std::vector<std::string> side_keys_;  // non-inline keys, indexed by row id
+  std::vector<uint64_t> live_;     // bit per row id: 1 while the row holds a key
+  std::vector<uint32_t> free_rows_;  // removed row ids, reused first
+  int64_t next_row_ = 0;           // row ids below this have been handed out
+  int64_t size_ = 0;               // live rows == occupied slots
+  uint64_t walk_state_ = 0x853C49E6748FEA9BULL;  // LCG for cuckoo kicks
+};
+
+// The whole table: kNumShards shards, each with its own lock.
+template <class K>
+class CuckooTable {
+ public:
+  using View = typename KeyTraits<K>::View;
+
+  CuckooTable(int64_t value_bytes, int64_t expected_rows) : value_bytes_(value_bytes) {
+    if (value_bytes <= 0) throw TableError("row size must be positive, got " + std::to_string(value_bytes));
+    for (int s = 0; s < kNumShards; ++s) {
+      shards_[s].shard = std::make_unique<CuckooShard<K>>(value_bytes, expected_rows / kNumShards + 1);
+    }
+  }
+
+  int64_t value_bytes() const { return value_bytes_; }
+
+  // For each key i: on_hit(i, const char* row) when present, else
+  // on_miss(i, stable_hash).  Callbacks for different shards run
+  // concurrently; each writes only its own output position i.
+  template <class OnHit, class OnMiss>
+  void Find(const View* keys, int64_t n, const ParallelFor& pfor, OnHit on_hit, OnMiss on_miss) const {
+    Batch batch = Partition(keys, n);
+    FirstError error;
+    pfor(kNumShards, CostPerShard(n, 60), [&](int64_t begin, int64_t end) {
+      error.Run([&] {
+      for (int64_t s = begin; s < end; ++s) {
+        const Slot& slot = shards_[s];
+        std::shared_lock<std::shared_mutex> lock(slot.mu);
+        const CuckooShard<K>& sh = *slot.shard;
+        const uint32_t lo = batch.offsets[s], hi = batch.offsets[s + 1];
+        for (uint32_t p = lo; p < hi; ++p) {
+          if (p + kPrefetchDistance < hi) sh.Prefetch(batch.ihash[batch.order[p + kPrefetchDistance]]);
+          const uint32_t i = batch.order[p];
+          const uint32_t row = sh.Lookup(keys[i], batch.ihash[i]);
+          if (row != kEmptyRow) {
+            on_hit(i, sh.value_at(row));
+          } else {
+            on_miss(i, batch.stable[i]);
+          }
+        }
+      }
+      });
+    });
+    error.Rethrow();
+  }
+
+  // For each key i, in batch order within its shard: update(i, char* row,
+  // bool created, stable_hash); a created row holds garbage until written.
+  template <class Update>
+  void Upsert(const View* keys, int64_t n, const ParallelFor& pfor, Update update) {
+    Batch batch = Partition(keys, n);
+    std::atomic<int64_t> added{0};
+    RunExclusive(batch, n, pfor, [&](CuckooShard<K>& sh, uint32_t lo, uint32_t hi) {
+      // Pass 1 updates the keys already present and counts the others, so
+      // pass 2 can grow the shard once instead of doubling repeatedly.
+      // Keys of one shard keep their batch order within each pass; a key
+      // that is new appears only in pass 2, so its duplicates stay ordered.
+      std::vector<uint32_t> fresh;
+      for (uint32_t p = lo; p < hi; ++p) {
+        if (p + kPrefetchDistance < hi) sh.Prefetch(batch.ihash[batch.order[p + kPrefetchDistance]]);
+        const uint32_t i = batch.order[p];
+        const uint32_t row = sh.Lookup(keys[i], batch.ihash[i]);
+        if (row != kEmptyRow) {
+          update(i, sh.value_at(row), false, batch.stable[i]);
+        } else {
+          fresh.push_back(i);
+        }
+      }
+      if (fresh.empty()) return;
+      sh.Reserve(sh.size() + static_cast<int64_t>(fresh.size()));
+      int64_t created_here = 0;
+      for (uint32_t i : fresh) {
+        bool created = false;
+        const uint32_t row = sh.FindOrInsert(keys[i], batch.ihash[i], &created);
+        update(i, sh.value_at(row), created, batch.stable[i]);
+        created_here += created;
+      }
+      added.fetch_add(created_here, std::memory_order_relaxed);
+    });
+    size_.fetch_add(added.load(), std::memory_order_relaxed);
+  }
+
+  // Removes the keys present; returns how many were removed.
+  int64_t Remove(const View* keys, int64_t n, const ParallelFor& pfor) {
+    Batch batch = Partition(keys, n);
+    std::atomic<int64_t> removed{0};
+    RunExclusive(batch, n, pfor, [&](CuckooShard<K>& sh, uint32_t lo, uint32_t hi) {
+      int64_t removed_here = 0;
+      for (uint32_t p = lo; p < hi; ++p) {
+        if (p + kPrefetchDistance < hi) sh.Prefetch(batch.ihash[batch.order[p + kPrefetchDistance]]);
+        const uint32_t i = batch.order[p];
+        removed_here += sh.Remove(keys[i], batch.ihash[i]);
+      }
+      removed.fetch_add(removed_here, std::memory_order_relaxed);
+    });
+    size_.fetch_sub(removed.load(), std::memory_order_relaxed);
+    return removed.load();
+  }
+
+  void Clear() {
+    for (Slot& slot : shards_) {
+      std::unique_lock<std::shared_mutex> lock(slot.mu);
+      size_.fetch_sub(slot.shard->size(), std::memory_order_relaxed);
+      slot.shard->Clear();
+    }
+  }
+
+  int64_t Size() const { return size_.load(std::memory_order_relaxed); }
+
+  int64_t MemoryBytes() const {
+    int64_t bytes = sizeof(*this);
+    for (const Slot& slot : shards_) {
+      std::shared_lock<std::shared_mutex> lock(slot.mu);
+      bytes += slot.shard->MemoryBytes();
+    }
+    return bytes;
+  }
+
+  // Chunked export.  A cursor is (shard << 32 | row id); start with 0.  Calls
+  // emit(const K& key, const char* row) for at most max_rows live rows at or
+  // after the cursor and returns the cursor to continue from, or -1 when the
+  // table is exhausted.  Rows never move, so a table that grows between calls
+  // is still walked exactly once; rows inserted or removed between calls may
+  // or may not be seen.
+  template <class Emit>
+  int64_t Export(int64_t cursor, int64_t max_rows, Emit emit) const {
+    if (cursor < 0) throw TableError("export cursor must be >= 0, got " + std::to_string(cursor));
+    if (max_rows <= 0) throw TableError("export max_rows must be > 0, got " + std::to_string(max_rows));
+    int64_t shard = cursor >> 32, row = cursor & 0xFFFFFFFFLL, emitted = 0;
+    for (; shard < kNumShards; ++shard, row = 0) {
+      const Slot& slot = shards_[shard];
+      std::shared_lock<std::shared_mutex> lock(slot.mu);
+      const CuckooShard<K>& sh = *slot.shard;
+      for (; row < sh.row_limit(); ++row) {
+        if (!sh.live(row)) continue;
+        if (emitted == max_rows) return (shard << 32) | row;
+        emit(sh.key_at(row), sh.value_at(row));
+        ++emitted;
+      }
+    }
+    return -1;
+  }
+
+ private:
+  struct Slot {
+    mutable std::shared_mutex mu;  // guards *shard
+    std::unique_ptr<CuckooShard<K>> shard;
+  };
+  // Keys of one batch sorted by shard (stable: batch order within a shard).
+  struct Batch {
+    std::vector<uint64_t> stable;  // stable hash of key i
+    std::vector<uint64_t> ihash;   // internal hash of key i
+    std::vector<uint32_t> order;   // key indices grouped by shard
+    uint32_t offsets[kNumShards + 1];  // shard s owns order[offsets[s], offsets[s+1])
+  };
+
+  static int64_t CostPerShard(int64_t n, int64_t ns_per_key) {
+    return std::max<int64_t>(1, n / kNumShards) * ns_per_key;
+  }
+
+  Batch Partition(const View* keys, int64_t n) const {
+    if (n > 0xFFFFFFF0LL) throw TableError("a batch holds at most 2^32-16 keys, got " + std::to_string(n));
+    Batch b;
+    b.stable.resize(n);
+    b.ihash.resize(n);
+    b.order.resize(n);
+    uint32_t counts[kNumShards] = {0};
+    for (int64_t i = 0; i < n; ++i) {
+      b.stable[i] = StableHash(keys[i]);
+      b.ihash[i] = InternalHash(b.stable[i]);
+      ++counts[ShardIndex(b.ihash[i])];
+    }
+    b.offsets[0] = 0;
+    for (int s = 0; s < kNumShards; ++s) b.offsets[s + 1] = b.offsets[s] + counts[s];
+    uint32_t fill[kNumShards];
+    std::copy(b.offsets, b.offsets + kNumShards, fill);
+    for (int64_t i = 0; i < n; ++i) b.order[fill[ShardIndex(b.ihash[i])]++] = static_cast<uint32_t>(i);
+    return b;
+  }
+
+  // Records the first exception thrown by a worker so that it can be
+  // rethrown on the calling thread: exceptions must not escape into the
+  // caller's thread pool.
+  class FirstError {
+   public:
+    template <class Body>
+    void Run(Body body) {
+      try {
+        body();
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+    }
+    void Rethrow() {
+      if (error_) std::rethrow_exception(error_);
+    }
+
+   private:
+    std::mutex mu_;
+    std::exception_ptr error_;
+  };
+
+  // Calls fn(shard, lo, hi) for every shard with keys in the batch, holding
+  // that shard's exclusive lock; fn works on batch.order[lo, hi).
+  template <class Fn>
+  void RunExclusive(const Batch& batch, int64_t n, const ParallelFor& pfor, Fn fn) {
+    FirstError error;
+    pfor(kNumShards, CostPerShard(n, 120), [&](int64_t begin, int64_t end) {
+      error.Run([&] {
+      for (int64_t s = begin; s < end; ++s) {
+        const uint32_t lo = batch.offsets[s], hi = batch.offsets[s + 1];
+        if (lo == hi) continue;
+        Slot& slot = shards_[s];
+        std::unique_lock<std::shared_mutex> lock(slot.mu);
+        fn(*slot.shard, lo, hi);
+      }
+      });
+    });
+    error.Rethrow();
+  }
+
+  const int64_t value_bytes_;  // bytes of one value row
+  Slot shards_[kNumShards];
+  std::atomic<int64_t> size_{0};  // live rows over all shards
+};
+
+}  // namespace tfde
+
+#endif  // TFDE_BACKENDS_CUCKOO_CUCKOO_TABLE_H_

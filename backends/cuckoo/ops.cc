@@ -1,0 +1,772 @@
+// TensorFlow ops of the tfde cuckoo backend.  Thin: each kernel validates
+// dtypes and shapes, converts tensors and calls the core in cuckoo_table.h.
+// Every shape is checked before any memory is touched.
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cuckoo_table.h"
+#include "init_rows.h"
+#include "tensorflow/core/framework/bfloat16.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tfde {
+namespace {
+
+using ::tensorflow::DataType;
+using ::tensorflow::DataTypeString;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::tstring;
+namespace errors = ::tensorflow::errors;
+namespace shape_inference = ::tensorflow::shape_inference;
+
+constexpr int64_t kMaxDim = 1 << 16;  // widest row a table accepts
+
+// ---------------------------------------------------------------- resource
+
+// A table as TF sees it: dtypes and dim fixed at creation.
+class TableResource : public ::tensorflow::ResourceBase {
+ public:
+  TableResource(DataType key_dtype, DataType value_dtype, int64_t dim)
+      : key_dtype_(key_dtype),
+        value_dtype_(value_dtype),
+        dim_(dim),
+        value_bytes_(dim * ::tensorflow::DataTypeSize(value_dtype)) {}
+  DataType key_dtype() const { return key_dtype_; }
+  DataType value_dtype() const { return value_dtype_; }
+  int64_t dim() const { return dim_; }
+  int64_t value_bytes() const { return value_bytes_; }
+  std::string Describe() const {
+    return "cuckoo table " + DataTypeString(key_dtype_) + " -> " + DataTypeString(value_dtype_) +
+           "[" + std::to_string(dim_) + "]";
+  }
+  std::string DebugString() const override { return Describe(); }
+
+ private:
+  const DataType key_dtype_;
+  const DataType value_dtype_;
+  const int64_t dim_;
+  const int64_t value_bytes_;
+};
+
+template <class K>
+class TypedTable : public TableResource {
+ public:
+  TypedTable(DataType kd, DataType vd, int64_t dim, int64_t expected_rows)
+      : TableResource(kd, vd, dim), core(value_bytes(), expected_rows) {}
+  int64_t MemoryUsed() const override { return core.MemoryBytes(); }
+  CuckooTable<K> core;
+};
+
+// Tensor key type -> core key type.
+template <class TK>
+struct CoreKey {
+  using type = TK;
+};
+template <>
+struct CoreKey<tstring> {
+  using type = std::string;
+};
+
+// Key views for the core: int tensors are used in place, strings are viewed.
+template <class TK>
+struct KeyViews {
+  using View = typename KeyTraits<typename CoreKey<TK>::type>::View;
+  explicit KeyViews(const Tensor& keys) : data(keys.flat<TK>().data()) {}
+  const View* data;
+};
+template <>
+struct KeyViews<tstring> {
+  explicit KeyViews(const Tensor& keys) {
+    auto flat = keys.flat<tstring>();
+    storage.reserve(flat.size());
+    for (int64_t i = 0; i < flat.size(); ++i) storage.emplace_back(flat(i).data(), flat(i).size());
+    data = storage.data();
+  }
+  std::vector<std::string_view> storage;
+  const std::string_view* data;
+};
+
+ParallelFor PoolOf(OpKernelContext* ctx) {
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [pool](int64_t total, int64_t cost, const std::function<void(int64_t, int64_t)>& work) {
+    pool->ParallelFor(total, cost, work);
+  };
+}
+
+// Runs `body` with V bound to the C++ type of `dtype`.
+template <class Body>
+::absl::Status WithValueType(DataType dtype, Body body) {
+  switch (dtype) {
+    case ::tensorflow::DT_FLOAT: body(float{}); return ::absl::OkStatus();
+    case ::tensorflow::DT_DOUBLE: body(double{}); return ::absl::OkStatus();
+    case ::tensorflow::DT_HALF: body(Eigen::half{}); return ::absl::OkStatus();
+    case ::tensorflow::DT_BFLOAT16: body(::tensorflow::bfloat16{}); return ::absl::OkStatus();
+    default:
+      return errors::InvalidArgument("tfde tables hold float32, float64, float16 or bfloat16 values, not ",
+                                     DataTypeString(dtype));
+  }
+}
+
+#define TFDE_CATCH(ctx, op_name)                                                     \
+  catch (const CapacityError& e) {                                                \
+    (ctx)->CtxFailure(errors::ResourceExhausted(op_name, ": ", e.what()));           \
+  }                                                                               \
+  catch (const std::exception& e) {                                               \
+    (ctx)->CtxFailure(errors::InvalidArgument(op_name, ": ", e.what()));             \
+  }
+
+// ---------------------------------------------------------------- create
+
+class CreateTableOp : public OpKernel {
+ public:
+  explicit CreateTableOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("key_dtype", &key_dtype_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("value_dtype", &value_dtype_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("expected_rows", &expected_rows_));
+    OP_REQUIRES(ctx, dim_ >= 1 && dim_ <= kMaxDim,
+                errors::InvalidArgument("dim must be between 1 and ", kMaxDim, ", got ", dim_));
+    OP_REQUIRES(ctx, expected_rows_ >= 0,
+                errors::InvalidArgument("expected_rows must be >= 0, got ", expected_rows_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::ContainerInfo cinfo;
+    OP_REQUIRES_OK(ctx, cinfo.Init(ctx->resource_manager(), def(), /*use_node_name_as_default=*/true));
+    TableResource* table = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->resource_manager()->LookupOrCreate<TableResource>(
+                            cinfo.container(), cinfo.name(), &table, [this](TableResource** out) {
+                              return Create(out);
+                            }));
+    ::tensorflow::core::ScopedUnref unref(table);
+    OP_REQUIRES(ctx,
+                table->key_dtype() == key_dtype_ && table->value_dtype() == value_dtype_ && table->dim() == dim_,
+                errors::InvalidArgument("table '", cinfo.name(), "' already exists as a ", table->Describe(),
+                                        "; asked for ", DataTypeString(key_dtype_), " -> ",
+                                        DataTypeString(value_dtype_), "[", dim_,
+                                        "]. Use another name or the same dtypes and dim."));
+    Tensor* handle = nullptr;
+    ::tensorflow::AllocatorAttributes attr;
+    attr.set_on_host(true);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &handle, attr));
+    handle->scalar<::tensorflow::ResourceHandle>()() =
+        ::tensorflow::MakeResourceHandle<TableResource>(ctx, cinfo.container(), cinfo.name());
+  }
+
+ private:
+  ::absl::Status Create(TableResource** out) {
+    try {
+      switch (key_dtype_) {
+        case ::tensorflow::DT_INT64:
+          *out = new TypedTable<int64_t>(key_dtype_, value_dtype_, dim_, expected_rows_);
+          return ::absl::OkStatus();
+        case ::tensorflow::DT_INT32:
+          *out = new TypedTable<int32_t>(key_dtype_, value_dtype_, dim_, expected_rows_);
+          return ::absl::OkStatus();
+        case ::tensorflow::DT_STRING:
+          *out = new TypedTable<std::string>(key_dtype_, value_dtype_, dim_, expected_rows_);
+          return ::absl::OkStatus();
+        default:
+          return errors::InvalidArgument("keys must be int32, int64 or string, not ", DataTypeString(key_dtype_));
+      }
+    } catch (const std::exception& e) {
+      return errors::ResourceExhausted("creating a cuckoo table: ", e.what());
+    }
+  }
+
+  DataType key_dtype_, value_dtype_;
+  int64_t dim_ = 0, expected_rows_ = 0;
+};
+
+// ---------------------------------------------------------------- base
+
+// Resolves input 0 to a table whose key dtype is TK; checks `keys` (input 1)
+// is a vector and, when the op has a Tvalue attr, that it matches the table.
+template <class TK>
+class TableOpBase : public OpKernel {
+ public:
+  using K = typename CoreKey<TK>::type;
+
+  explicit TableOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    if (HasNodeAttr(ctx->def(), "Tvalue")) OP_REQUIRES_OK(ctx, ctx->GetAttr("Tvalue", &value_dtype_));
+  }
+
+ protected:
+  static bool HasNodeAttr(const ::tensorflow::NodeDef& def, const char* name) {
+    return def.attr().count(name) > 0;
+  }
+
+  // Returns nullptr (and fails ctx) when the handle or dtypes are wrong.
+  TypedTable<K>* Resolve(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<TableResource>* holder) {
+    TableResource* raw = nullptr;
+    auto status = ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 0), &raw);
+    if (!status.ok()) {
+      ctx->CtxFailure(errors::FailedPrecondition(
+          "tfde table not found (was it destroyed, or created in another process?): ", status.message()));
+      return nullptr;
+    }
+    holder->reset(raw);
+    const DataType want_key = ::tensorflow::DataTypeToEnum<TK>::value;
+    if (raw->key_dtype() != want_key) {
+      ctx->CtxFailure(errors::InvalidArgument("keys are ", DataTypeString(want_key), " but the table is a ",
+                                              raw->Describe(), "; cast the keys to ",
+                                              DataTypeString(raw->key_dtype())));
+      return nullptr;
+    }
+    if (value_dtype_ != ::tensorflow::DT_INVALID && raw->value_dtype() != value_dtype_) {
+      ctx->CtxFailure(errors::InvalidArgument("values are ", DataTypeString(value_dtype_),
+                                              " but the table is a ", raw->Describe()));
+      return nullptr;
+    }
+    return static_cast<TypedTable<K>*>(raw);
+  }
+
+  static bool CheckKeys(OpKernelContext* ctx, const Tensor& keys) {
+    if (keys.dims() != 1) {
+      ctx->CtxFailure(errors::InvalidArgument("keys must be a vector, got shape ", keys.shape().DebugString()));
+      return false;
+    }
+    return true;
+  }
+
+  // values must be [n, table.dim()].
+  static bool CheckRows(OpKernelContext* ctx, const char* what, const Tensor& rows, int64_t n,
+                        const TableResource& table) {
+    if (rows.dims() != 2 || rows.dim_size(0) != n || rows.dim_size(1) != table.dim()) {
+      ctx->CtxFailure(errors::InvalidArgument(what, " must have shape [", n, ", ", table.dim(), "] for ", n,
+                                              " keys and a ", table.Describe(), ", got ",
+                                              rows.shape().DebugString()));
+      return false;
+    }
+    return true;
+  }
+
+  DataType value_dtype_ = ::tensorflow::DT_INVALID;
+};
+
+// Reads the init attrs shared by find and accum.
+::absl::Status ReadInitSpec(OpKernelConstruction* ctx, InitSpec* spec) {
+  std::string kind;
+  float p0 = 0, p1 = 0;
+  int64_t seed = 0;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("init_kind", &kind));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("init_p0", &p0));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("init_p1", &p1));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("init_seed", &seed));
+  try {
+    spec->kind = ParseInitKind(kind);
+  } catch (const std::exception& e) {
+    return errors::InvalidArgument(e.what());
+  }
+  spec->p0 = p0;
+  spec->p1 = p1;
+  spec->seed = seed;
+  return ::absl::OkStatus();
+}
+
+// Source of a missing key's row: the `defaults` tensor ([n, dim] or [1, dim])
+// or the init spec.  Validated once; Fill is then safe for any i < n.
+struct MissingRows {
+  InitSpec spec;
+  const char* defaults = nullptr;  // set when spec.kind == kDefaults
+  bool broadcast = false;          // defaults is a single row
+
+  ::absl::Status Prepare(const Tensor& t, int64_t n, const TableResource& table) {
+    if (spec.kind != InitKind::kDefaults) return ::absl::OkStatus();
+    const bool ok_shape = t.dims() == 2 && t.dim_size(1) == table.dim() && (t.dim_size(0) == n || t.dim_size(0) == 1);
+    if (!ok_shape)
+      return errors::InvalidArgument("defaults must have shape [", n, ", ", table.dim(), "] or [1, ", table.dim(),
+                                     "] for ", n, " keys and a ", table.Describe(), ", got ",
+                                     t.shape().DebugString());
+    defaults = static_cast<const char*>(t.tensor_data().data());
+    broadcast = t.dim_size(0) == 1 && n != 1;
+    return ::absl::OkStatus();
+  }
+
+  template <class V>
+  void Fill(int64_t i, uint64_t hash, int64_t dim, char* out) const {
+    if (spec.kind == InitKind::kDefaults) {
+      std::memcpy(out, defaults + (broadcast ? 0 : i) * dim * sizeof(V), dim * sizeof(V));
+    } else {
+      FillInitialRow<V>(spec, hash, dim, reinterpret_cast<V*>(out));
+    }
+  }
+};
+
+// ---------------------------------------------------------------- find
+
+template <class TK>
+class FindOp : public TableOpBase<TK> {
+ public:
+  explicit FindOp(OpKernelConstruction* ctx) : TableOpBase<TK>(ctx) {
+    OP_REQUIRES_OK(ctx, ReadInitSpec(ctx, &missing_.spec));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<TableResource> holder;
+    TypedTable<typename TableOpBase<TK>::K>* table = this->Resolve(ctx, &holder);
+    if (table == nullptr) return;
+    const Tensor& keys = ctx->input(1);
+    if (!this->CheckKeys(ctx, keys)) return;
+    const int64_t n = keys.dim_size(0);
+    MissingRows missing = missing_;
+    OP_REQUIRES_OK(ctx, missing.Prepare(ctx->input(2), n, *table));
+    Tensor* values = nullptr;
+    Tensor* exists = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, table->dim()}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &exists));
+    if (n == 0) return;
+    char* out = const_cast<char*>(values->tensor_data().data());
+    bool* ex = exists->flat<bool>().data();
+    const int64_t vb = table->value_bytes(), dim = table->dim();
+    KeyViews<TK> views(keys);
+    OP_REQUIRES_OK(ctx, WithValueType(table->value_dtype(), [&](auto v) {
+      using V = decltype(v);
+      try {
+        table->core.Find(
+            views.data, n, PoolOf(ctx),
+            [&](int64_t i, const char* row) {
+              std::memcpy(out + i * vb, row, vb);
+              ex[i] = true;
+            },
+            [&](int64_t i, uint64_t hash) {
+              missing.template Fill<V>(i, hash, dim, out + i * vb);
+              ex[i] = false;
+            });
+      }
+      TFDE_CATCH(ctx, "find")
+    }));
+  }
+
+ private:
+  MissingRows missing_;
+};
+
+// ---------------------------------------------------------------- insert / accum
+
+template <class TK>
+class InsertOp : public TableOpBase<TK> {
+ public:
+  using TableOpBase<TK>::TableOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<TableResource> holder;
+    auto* table = this->Resolve(ctx, &holder);
+    if (table == nullptr) return;
+    const Tensor& keys = ctx->input(1);
+    const Tensor& values = ctx->input(2);
+    if (!this->CheckKeys(ctx, keys)) return;
+    const int64_t n = keys.dim_size(0);
+    if (!this->CheckRows(ctx, "values", values, n, *table)) return;
+    if (n == 0) return;
+    const char* src = values.tensor_data().data();
+    const int64_t vb = table->value_bytes();
+    KeyViews<TK> views(keys);
+    try {
+      table->core.Upsert(views.data, n, PoolOf(ctx),
+                         [&](int64_t i, char* row, bool, uint64_t) { std::memcpy(row, src + i * vb, vb); });
+    }
+    TFDE_CATCH(ctx, "insert")
+  }
+};
+
+template <class TK>
+class AccumOp : public TableOpBase<TK> {
+ public:
+  explicit AccumOp(OpKernelConstruction* ctx) : TableOpBase<TK>(ctx) {
+    OP_REQUIRES_OK(ctx, ReadInitSpec(ctx, &missing_.spec));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<TableResource> holder;
+    auto* table = this->Resolve(ctx, &holder);
+    if (table == nullptr) return;
+    const Tensor& keys = ctx->input(1);
+    const Tensor& deltas = ctx->input(2);
+    if (!this->CheckKeys(ctx, keys)) return;
+    const int64_t n = keys.dim_size(0);
+    if (!this->CheckRows(ctx, "deltas", deltas, n, *table)) return;
+    MissingRows missing = missing_;
+    OP_REQUIRES_OK(ctx, missing.Prepare(ctx->input(3), n, *table));
+    if (n == 0) return;
+    const int64_t dim = table->dim();
+    KeyViews<TK> views(keys);
+    OP_REQUIRES_OK(ctx, WithValueType(table->value_dtype(), [&](auto v) {
+      using V = decltype(v);
+      // half and bfloat16 add in float; float and double in their own type.
+      using Acc = std::conditional_t<std::is_same_v<V, double>, double, float>;
+      const V* delta = reinterpret_cast<const V*>(deltas.tensor_data().data());
+      try {
+        table->core.Upsert(views.data, n, PoolOf(ctx), [&](int64_t i, char* row, bool created, uint64_t hash) {
+          if (created) missing.template Fill<V>(i, hash, dim, row);
+          V* r = reinterpret_cast<V*>(row);
+          const V* d = delta + i * dim;
+          for (int64_t j = 0; j < dim; ++j) r[j] = static_cast<V>(static_cast<Acc>(r[j]) + static_cast<Acc>(d[j]));
+        });
+      }
+      TFDE_CATCH(ctx, "accum")
+    }));
+  }
+
+ private:
+  MissingRows missing_;
+};
+
+// ---------------------------------------------------------------- remove / clear / size
+
+template <class TK>
+class RemoveOp : public TableOpBase<TK> {
+ public:
+  using TableOpBase<TK>::TableOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<TableResource> holder;
+    auto* table = this->Resolve(ctx, &holder);
+    if (table == nullptr) return;
+    const Tensor& keys = ctx->input(1);
+    if (!this->CheckKeys(ctx, keys)) return;
+    Tensor* removed = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &removed));
+    removed->scalar<int64_t>()() = 0;
+    const int64_t n = keys.dim_size(0);
+    if (n == 0) return;
+    KeyViews<TK> views(keys);
+    try {
+      removed->scalar<int64_t>()() = table->core.Remove(views.data, n, PoolOf(ctx));
+    }
+    TFDE_CATCH(ctx, "remove")
+  }
+};
+
+// Ops that need only the handle resolve it without knowing the key dtype.
+TableResource* ResolveAny(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<TableResource>* holder) {
+  TableResource* raw = nullptr;
+  auto status = ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 0), &raw);
+  if (!status.ok()) {
+    ctx->CtxFailure(errors::FailedPrecondition("tfde table not found: ", status.message()));
+    return nullptr;
+  }
+  holder->reset(raw);
+  return raw;
+}
+
+template <class Fn>
+void WithTypedTable(TableResource* t, Fn fn) {
+  switch (t->key_dtype()) {
+    case ::tensorflow::DT_INT64: fn(static_cast<TypedTable<int64_t>*>(t)); break;
+    case ::tensorflow::DT_INT32: fn(static_cast<TypedTable<int32_t>*>(t)); break;
+    default: fn(static_cast<TypedTable<std::string>*>(t)); break;
+  }
+}
+
+class ClearOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<TableResource> holder;
+    TableResource* t = ResolveAny(ctx, &holder);
+    if (t != nullptr) WithTypedTable(t, [](auto* typed) { typed->core.Clear(); });
+  }
+};
+
+class SizeOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<TableResource> holder;
+    TableResource* t = ResolveAny(ctx, &holder);
+    if (t == nullptr) return;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    WithTypedTable(t, [&](auto* typed) { out->scalar<int64_t>()() = typed->core.Size(); });
+  }
+};
+
+class MemoryOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<TableResource> holder;
+    TableResource* t = ResolveAny(ctx, &holder);
+    if (t == nullptr) return;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = t->MemoryUsed();
+  }
+};
+
+// ---------------------------------------------------------------- export
+
+template <class TK>
+class ExportOp : public TableOpBase<TK> {
+ public:
+  using TableOpBase<TK>::TableOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::core::RefCountPtr<TableResource> holder;
+    auto* table = this->Resolve(ctx, &holder);
+    if (table == nullptr) return;
+    const Tensor& cursor_t = ctx->input(1);
+    const Tensor& max_rows_t = ctx->input(2);
+    OP_REQUIRES(ctx, cursor_t.dims() == 0 && max_rows_t.dims() == 0,
+                errors::InvalidArgument("cursor and max_rows must be scalars"));
+    const int64_t cursor = cursor_t.scalar<int64_t>()();
+    const int64_t max_rows = max_rows_t.scalar<int64_t>()();
+    OP_REQUIRES(ctx, cursor >= 0, errors::InvalidArgument("export cursor must be >= 0, got ", cursor));
+    OP_REQUIRES(ctx, max_rows > 0, errors::InvalidArgument("export max_rows must be > 0, got ", max_rows));
+    // Collect first (sizes unknown until the walk is done), then copy out.
+    std::vector<typename TableOpBase<TK>::K> keys;
+    std::vector<char> rows;
+    const int64_t vb = table->value_bytes();
+    const int64_t reserve = std::min<int64_t>(max_rows, table->core.Size());
+    keys.reserve(reserve);
+    rows.reserve(reserve * vb);
+    int64_t next = -1;
+    try {
+      next = table->core.Export(cursor, max_rows, [&](const auto& k, const char* row) {
+        keys.push_back(k);
+        rows.insert(rows.end(), row, row + vb);
+      });
+    }
+    TFDE_CATCH(ctx, "export")
+    if (!ctx->status().ok()) return;
+    const int64_t m = static_cast<int64_t>(keys.size());
+    Tensor *keys_out = nullptr, *values_out = nullptr, *next_out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m}), &keys_out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({m, table->dim()}), &values_out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &next_out));
+    auto kflat = keys_out->flat<TK>();
+    for (int64_t i = 0; i < m; ++i) kflat(i) = TK(keys[i]);
+    if (m > 0) std::memcpy(const_cast<char*>(values_out->tensor_data().data()), rows.data(), m * vb);
+    next_out->scalar<int64_t>()() = next;
+  }
+};
+
+// ---------------------------------------------------------------- hashing / init
+
+template <class TK>
+class StableHashOp : public OpKernel {
+ public:
+  explicit StableHashOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shards", &num_shards_));
+    OP_REQUIRES(ctx, num_shards_ >= 0, errors::InvalidArgument("num_shards must be >= 0, got ", num_shards_));
+  }
+  // Output 0: the stable hash as int64 (same bits as the uint64);
+  // output 1: the shard among num_shards (0 when num_shards == 0).
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& keys = ctx->input(0);
+    Tensor *hash = nullptr, *shard = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &hash));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, keys.shape(), &shard));
+    auto in = keys.flat<TK>();
+    auto h = hash->flat<int64_t>();
+    auto s = shard->flat<int32_t>();
+    for (int64_t i = 0; i < in.size(); ++i) {
+      uint64_t v;
+      if constexpr (std::is_same_v<TK, tstring>) {
+        v = StableHash(std::string_view(in(i).data(), in(i).size()));
+      } else {
+        v = StableHash(in(i));
+      }
+      h(i) = static_cast<int64_t>(v);
+      s(i) = num_shards_ > 0 ? ShardOf(v, static_cast<int32_t>(num_shards_)) : 0;
+    }
+  }
+
+ private:
+  int64_t num_shards_ = 0;
+};
+
+template <class TK>
+class InitRowsOp : public OpKernel {
+ public:
+  explicit InitRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadInitSpec(ctx, &spec_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("Tvalue", &value_dtype_));
+    OP_REQUIRES(ctx, dim_ >= 1 && dim_ <= kMaxDim,
+                errors::InvalidArgument("dim must be between 1 and ", kMaxDim, ", got ", dim_));
+    OP_REQUIRES(ctx, spec_.kind != InitKind::kDefaults,
+                errors::InvalidArgument("init_kind 'defaults' generates nothing"));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& keys = ctx->input(0);
+    OP_REQUIRES(ctx, keys.dims() == 1,
+                errors::InvalidArgument("keys must be a vector, got shape ", keys.shape().DebugString()));
+    const int64_t n = keys.dim_size(0);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out));
+    auto in = keys.flat<TK>();
+    OP_REQUIRES_OK(ctx, WithValueType(value_dtype_, [&](auto v) {
+      using V = decltype(v);
+      V* o = reinterpret_cast<V*>(const_cast<char*>(out->tensor_data().data()));
+      for (int64_t i = 0; i < n; ++i) {
+        uint64_t h;
+        if constexpr (std::is_same_v<TK, tstring>) {
+          h = StableHash(std::string_view(in(i).data(), in(i).size()));
+        } else {
+          h = StableHash(in(i));
+        }
+        FillInitialRow<V>(spec_, h, dim_, o + i * dim_);
+      }
+    }));
+  }
+
+ private:
+  InitSpec spec_;
+  int64_t dim_ = 0;
+  DataType value_dtype_;
+};
+
+// ---------------------------------------------------------------- registration
+
+using ::tensorflow::shape_inference::InferenceContext;
+
+::absl::Status RowsShape(InferenceContext* c, int keys_input, int output) {
+  int64_t dim;
+  TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+  shape_inference::ShapeHandle keys;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(keys_input), 1, &keys));
+  c->set_output(output, c->Matrix(c->Dim(keys, 0), dim));
+  return ::absl::OkStatus();
+}
+
+#define TFDE_INIT_ATTRS                                                                              \
+  Attr("init_kind: {'defaults', 'constant', 'uniform', 'normal', 'truncated_normal'} = 'defaults'") \
+      .Attr("init_p0: float = 0.0")                                                                  \
+      .Attr("init_p1: float = 0.0")                                                                  \
+      .Attr("init_seed: int = 0")
+
+REGISTER_OP("TfdeCuckooTable")
+    .Output("handle: resource")
+    .Attr("key_dtype: {int32, int64, string}")
+    .Attr("value_dtype: {float, double, half, bfloat16}")
+    .Attr("dim: int")
+    .Attr("expected_rows: int = 0")
+    .Attr("container: string = ''")
+    .Attr("shared_name: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("TfdeTableFind")
+    .Input("handle: resource")
+    .Input("keys: Tkey")
+    .Input("defaults: Tvalue")
+    .Output("values: Tvalue")
+    .Output("exists: bool")
+    .Attr("Tkey: {int32, int64, string}")
+    .Attr("Tvalue: {float, double, half, bfloat16}")
+    .Attr("dim: int")
+    .TFDE_INIT_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(RowsShape(c, 1, 0));
+      c->set_output(1, c->Vector(c->Dim(c->input(1), 0)));
+      return ::absl::OkStatus();
+    });
+
+REGISTER_OP("TfdeTableInsert")
+    .Input("handle: resource")
+    .Input("keys: Tkey")
+    .Input("values: Tvalue")
+    .Attr("Tkey: {int32, int64, string}")
+    .Attr("Tvalue: {float, double, half, bfloat16}")
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
+
+REGISTER_OP("TfdeTableAccum")
+    .Input("handle: resource")
+    .Input("keys: Tkey")
+    .Input("deltas: Tvalue")
+    .Input("defaults: Tvalue")
+    .Attr("Tkey: {int32, int64, string}")
+    .Attr("Tvalue: {float, double, half, bfloat16}")
+    .TFDE_INIT_ATTRS
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
+
+REGISTER_OP("TfdeTableRemove")
+    .Input("handle: resource")
+    .Input("keys: Tkey")
+    .Output("removed: int64")
+    .Attr("Tkey: {int32, int64, string}")
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("TfdeTableClear").Input("handle: resource").SetShapeFn(::tensorflow::shape_inference::NoOutputs);
+REGISTER_OP("TfdeTableSize").Input("handle: resource").Output("size: int64").SetShapeFn(
+    ::tensorflow::shape_inference::ScalarShape);
+REGISTER_OP("TfdeTableMemoryBytes")
+    .Input("handle: resource")
+    .Output("bytes: int64")
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("TfdeTableExport")
+    .Input("handle: resource")
+    .Input("cursor: int64")
+    .Input("max_rows: int64")
+    .Output("keys: Tkey")
+    .Output("values: Tvalue")
+    .Output("next_cursor: int64")
+    .Attr("Tkey: {int32, int64, string}")
+    .Attr("Tvalue: {float, double, half, bfloat16}")
+    .Attr("dim: int")
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      c->set_output(1, c->Matrix(InferenceContext::kUnknownDim, dim));
+      c->set_output(2, c->Scalar());
+      return ::absl::OkStatus();
+    });
+
+REGISTER_OP("TfdeStableHash")
+    .Input("keys: Tkey")
+    .Output("hash: int64")
+    .Output("shard: int32")
+    .Attr("Tkey: {int32, int64, string}")
+    .Attr("num_shards: int = 0")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->input(0));
+      return ::absl::OkStatus();
+    });
+
+REGISTER_OP("TfdeInitRows")
+    .Input("keys: Tkey")
+    .Output("values: Tvalue")
+    .Attr("Tkey: {int32, int64, string}")
+    .Attr("Tvalue: {float, double, half, bfloat16}")
+    .Attr("dim: int")
+    .TFDE_INIT_ATTRS
+    .SetShapeFn([](InferenceContext* c) { return RowsShape(c, 0, 0); });
+
+REGISTER_KERNEL_BUILDER(Name("TfdeCuckooTable").Device(::tensorflow::DEVICE_CPU), CreateTableOp);
+REGISTER_KERNEL_BUILDER(Name("TfdeTableClear").Device(::tensorflow::DEVICE_CPU), ClearOp);
+REGISTER_KERNEL_BUILDER(Name("TfdeTableSize").Device(::tensorflow::DEVICE_CPU), SizeOp);
+REGISTER_KERNEL_BUILDER(Name("TfdeTableMemoryBytes").Device(::tensorflow::DEVICE_CPU), MemoryOp);
+
+#define TFDE_REGISTER_KEYED(TK)                                                                          \
+  REGISTER_KERNEL_BUILDER(Name("TfdeTableFind").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
+                          FindOp<TK>);                                                                   \
+  REGISTER_KERNEL_BUILDER(                                                                               \
+      Name("TfdeTableInsert").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), InsertOp<TK>); \
+  REGISTER_KERNEL_BUILDER(                                                                               \
+      Name("TfdeTableAccum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), AccumOp<TK>);   \
+  REGISTER_KERNEL_BUILDER(                                                                               \
+      Name("TfdeTableRemove").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), RemoveOp<TK>); \
+  REGISTER_KERNEL_BUILDER(                                                                               \
+      Name("TfdeTableExport").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), ExportOp<TK>); \
+  REGISTER_KERNEL_BUILDER(                                                                               \
+      Name("TfdeStableHash").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), StableHashOp<TK>); \
+  REGISTER_KERNEL_BUILDER(                                                                               \
+      Name("TfdeInitRows").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), InitRowsOp<TK>);
+
+TFDE_REGISTER_KEYED(int64_t)
+TFDE_REGISTER_KEYED(int32_t)
+TFDE_REGISTER_KEYED(tstring)
+
+}  // namespace
+}  // namespace tfde

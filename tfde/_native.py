@@ -1,0 +1,139 @@
+"""Compiles tfde's op library against the installed TensorFlow and loads it.
+
+DESIGN decision 1: the native code is built for the TensorFlow the user has,
+on first use (or ahead of time with ``tfde build``), and cached under
+``$TFDE_CACHE_DIR`` (default ``~/.cache/tfde``) by TensorFlow version, compile
+flags and a hash of the sources.  Several processes starting together (workers
+of a distributed job) build it once: the build holds a file lock and the
+result is moved into place atomically.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from tfde.errors import BuildError
+
+_SOURCES = ("cuckoo/hash.h", "cuckoo/init_rows.h", "cuckoo/cuckoo_table.h", "cuckoo/ops.cc")
+_lock = threading.Lock()
+_ops = None
+
+
+def source_dir() -> Path:
+    """Directory holding the backend sources (``backends/`` of the checkout)."""
+    spec = importlib.util.find_spec("tfde._backends")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            if (Path(loc) / "cuckoo" / "ops.cc").is_file():
+                return Path(loc)
+    here = Path(__file__).resolve().parent.parent / "backends"
+    if (here / "cuckoo" / "ops.cc").is_file():
+        return here
+    raise BuildError(
+        "tfde's native sources (backends/cuckoo/ops.cc) are missing from this installation; "
+        "reinstall tfde with `pip install --force-reinstall tfde`"
+    )
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TFDE_CACHE_DIR", Path.home() / ".cache" / "tfde"))
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not cxx:
+        raise BuildError(
+            "tfde compiles its ops against your TensorFlow on first use and needs a C++17 compiler, "
+            "but none was found (looked for $CXX, g++, c++, clang++). Install one, e.g. "
+            "`apt-get install g++` (Debian/Ubuntu) or `dnf install gcc-c++`, then retry."
+        )
+    return cxx
+
+
+def _build_command(cxx: str, out: Path) -> list[str]:
+    import tensorflow as tf
+
+    src = source_dir() / "cuckoo" / "ops.cc"
+    return [
+        cxx, "-shared", "-fPIC", "-O3", "-Wno-deprecated-declarations", "-o", str(out), str(src),
+        *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags(),
+    ]
+
+
+def library_path() -> Path:
+    """Where the library for this TensorFlow and these sources lives."""
+    import tensorflow as tf
+
+    h = hashlib.sha256()
+    root = source_dir()
+    for rel in _SOURCES:
+        h.update(rel.encode())
+        h.update((root / rel).read_bytes())
+    h.update(" ".join(tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()).encode())
+    return cache_dir() / "ops" / f"libtfde_ops-tf{tf.__version__}-{h.hexdigest()[:16]}.so"
+
+
+def build(force: bool = False, verbose: bool = False) -> Path:
+    """Compiles the op library unless a matching one is cached; returns its path."""
+    path = library_path()
+    if path.is_file() and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".build.lock", "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)
+        if path.is_file() and not force:
+            return path  # another process built it while we waited
+        cxx = _compiler()
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+        os.close(fd)
+        cmd = _build_command(cxx, Path(tmp))
+        if verbose:
+            print("tfde: building native ops:", " ".join(cmd), file=sys.stderr)
+        else:
+            print("tfde: compiling native ops for this TensorFlow (once, ~30 s) ...", file=sys.stderr)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise BuildError(
+                f"compiling tfde's ops with {cxx} failed (exit {proc.returncode}).\n"
+                f"command: {' '.join(cmd)}\n{proc.stderr[-4000:]}\n"
+                "Check that the compiler supports C++17 and that TensorFlow's headers are installed "
+                "(they ship with the tensorflow wheel)."
+            )
+        os.replace(tmp, path)
+    return path
+
+
+def load():
+    """The loaded op module (tf.load_op_library), building it if needed."""
+    global _ops
+    if _ops is not None:
+        return _ops
+    with _lock:
+        if _ops is None:
+            import tensorflow as tf
+
+            path = build()
+            try:
+                _ops = tf.load_op_library(str(path))
+            except tf.errors.NotFoundError as e:
+                # A library left from another TF build (same version string,
+                # different ABI): rebuild once, then give up with the cause.
+                path = build(force=True)
+                try:
+                    _ops = tf.load_op_library(str(path))
+                except tf.errors.NotFoundError:
+                    raise BuildError(
+                        f"the tfde op library {path} does not load into TensorFlow {tf.__version__}: {e}. "
+                        "Delete the cache directory and retry, or run `tfde build --force`."
+                    ) from e
+    return _ops

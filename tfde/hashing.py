@@ -1,0 +1,55 @@
+"""The stable key hash (DESIGN decision 4) and shard routing.
+
+The definition lives in backends/cuckoo/hash.h and the README; this module
+holds a numpy reference implementation (the tests compare it with the native
+op bit for bit) and TensorFlow wrappers around the native op.  The hash is part
+of tfde's on-disk and in-Redis format and never changes silently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_M = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's finalizer on a Python int (uint64 arithmetic)."""
+    z = (z + _GOLDEN) & _M
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M
+    return z ^ (z >> 31)
+
+
+def stable_hash_py(key) -> int:
+    """Reference stable hash of one int or bytes/str key, as a uint64 int."""
+    if isinstance(key, (bytes, str)):
+        data = key.encode() if isinstance(key, str) else key
+        h = mix64(len(data) ^ 0x5F3759DF5F3759DF)
+        for off in range(0, len(data), 8):
+            word = int.from_bytes(data[off:off + 8].ljust(8, b"\0"), "little")
+            h = mix64(h ^ word)
+        return h
+    return mix64(int(np.int64(key)) & _M)
+
+
+def shard_of_py(hash_u64: int, num_shards: int) -> int:
+    """Shard among num_shards of a key whose stable hash is hash_u64."""
+    return ((hash_u64 >> 32) * num_shards) >> 32
+
+
+def stable_hash(keys):
+    """Stable hash of each key: int64 tensor with the uint64 bits, same shape."""
+    from tfde import _native
+
+    h, _ = _native.load().tfde_stable_hash(keys, num_shards=0)
+    return h
+
+
+def shard_index(keys, num_shards: int):
+    """Shard (int32 in [0, num_shards)) owning each key; same shape as keys."""
+    from tfde import _native
+
+    _, s = _native.load().tfde_stable_hash(keys, num_shards=int(num_shards))
+    return s

@@ -1,0 +1,211 @@
+"""Keras layers over tfde Variables, for Keras 3 and tf-keras alike.
+
+``tf.keras`` is whichever Keras TensorFlow is configured for (Keras 3 by
+default, tf-keras with TF_USE_LEGACY_KERAS=1); these layers subclass its
+Layer, so import tfde after setting that variable.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import tensorflow as tf
+
+from tfde import initializers as _init
+from tfde.errors import ConfigError
+from tfde.lookup import COMBINERS, _combine, embedding_lookup, embedding_lookup_ragged, embedding_lookup_sparse
+from tfde.tables.base import TableCreator
+from tfde.tables.cuckoo import CuckooTableCreator
+from tfde.variable import Variable
+
+_keras = tf.keras
+_IS_KERAS3 = hasattr(_keras, "version") and str(_keras.version()).startswith("3")
+
+
+def _serialize_initializer(init):
+    if init is None or isinstance(init, (int, float, str)):
+        return init
+    if isinstance(init, _init.InitSpec):
+        return {"tfde_init_spec": {"kind": init.kind, "p0": init.p0, "p1": init.p1, "seed": init.seed}}
+    try:
+        return _keras.initializers.serialize(init)
+    except Exception:
+        raise ConfigError(f"initializer {init!r} cannot be serialized in a layer config") from None
+
+
+def _deserialize_initializer(cfg):
+    if cfg is None or isinstance(cfg, (int, float, str)):
+        return cfg
+    if isinstance(cfg, dict) and "tfde_init_spec" in cfg:
+        return _init.InitSpec(**cfg["tfde_init_spec"])
+    return _keras.initializers.deserialize(cfg)
+
+
+def _creator_from_config(cfg):
+    if cfg is None:
+        return None
+    if isinstance(cfg, TableCreator):
+        return cfg
+    kind = cfg.get("class_name", "CuckooTableCreator")
+    if kind == "CuckooTableCreator":
+        return CuckooTableCreator(**cfg.get("config", {}))
+    raise ConfigError(f"unknown table creator {kind!r} in layer config")
+
+
+@_keras.utils.register_keras_serializable(package="tfde")
+class Embedding(_keras.layers.Layer):
+    """Dynamic embedding layer: ids of any shape -> ``ids.shape + [dim]``.
+
+    Args:
+      embedding_size: row width (dim).
+      key_dtype: tf.int64 (default), tf.int32 or tf.string.
+      value_dtype: float dtype of rows (tf.float32 default).
+      initializer: initial rows of unseen keys (tfde.initializers).
+      combiner: None, or 'sum' / 'mean' / 'sqrtn' to reduce the last axis of
+        the ids: ``[batch, n]`` ids give ``[batch, dim]``.
+      num_shards, table_creator, restrict_policy, seed: as tfde.Variable.
+      Inputs may also be a tf.SparseTensor or tf.RaggedTensor of ids
+        (combined per row with `combiner`, 'mean' if None).
+
+    The layer's only trainable weight is its Variable's step buffer; train it
+    with an optimizer wrapped by tfde.DynamicEmbeddingOptimizer.
+
+    Example:
+      >>> layer = tfde.keras.layers.Embedding(8, key_dtype=tf.string, initializer=0.0)
+      >>> layer(tf.constant([["a", "b"]])).shape
+      TensorShape([1, 2, 8])
+    """
+
+    def __init__(self, embedding_size: int, key_dtype=tf.int64, value_dtype=tf.float32, initializer=None,
+                 combiner: Optional[str] = None, num_shards: int = 1, table_creator: Optional[TableCreator] = None,
+                 restrict_policy=None, seed: Optional[int] = None, name: Optional[str] = None, **kwargs):
+        kwargs.pop("dtype", None)
+        # Keras 3's Sequential gives its implicit InputLayer the first layer's
+        # compute dtype, and a policy whose compute and variable dtypes agree
+        # opens no autocast scope: so the policy is the key dtype, and string
+        # or int ids are never cast to float.  (Rows are not Keras variables.)
+        policy_dtype = tf.as_dtype(key_dtype if _IS_KERAS3 else value_dtype).name
+        super().__init__(name=name, dtype=policy_dtype, **kwargs)
+        if combiner is not None and combiner not in COMBINERS:
+            raise ConfigError(f"combiner must be None or one of {COMBINERS}, got {combiner!r}")
+        self.embedding_size = embedding_size
+        self.key_dtype = tf.as_dtype(key_dtype)
+        self.value_dtype = tf.as_dtype(value_dtype)
+        self.combiner = combiner
+        self.num_shards = num_shards
+        self.seed = seed
+        self._initializer_arg = initializer
+        self._creator_arg = table_creator
+        self.supports_jit = False  # custom ops: no XLA
+        self.params = Variable(self.name, key_dtype=self.key_dtype, value_dtype=self.value_dtype,
+                               dim=embedding_size, initializer=initializer, seed=seed, num_shards=num_shards,
+                               table_creator=table_creator, restrict_policy=restrict_policy,
+                               trainable=self.trainable)
+        if self.params.trainable:
+            self._track_step_buffer(self.params.step_buffer)
+
+    def _track_step_buffer(self, buffer):
+        if _IS_KERAS3:
+            # Keras 3 reads these Keras-variable attributes off tracked weights.
+            for attr, value in (("regularizer", None), ("constraint", None), ("overwrite_with_gradient", False)):
+                if not hasattr(buffer, attr):
+                    setattr(buffer, attr, value)
+            if not hasattr(buffer, "path"):
+                buffer.path = f"{self.name}/step_rows"
+            self._track_variable(buffer)
+        else:
+            self._tfde_step_buffer = buffer  # tf-keras tracks tf.Variable attributes
+
+    def build(self, input_shape=None):
+        self.built = True
+
+    if _IS_KERAS3:
+        # The layer's dtype policy is the key dtype (see __init__), so outputs
+        # are declared with the value dtype here.
+        def compute_output_spec(self, inputs, training=None):
+            shape = tf.TensorShape(inputs.shape)
+            return _keras.KerasTensor(self.compute_output_shape(shape), dtype=self.value_dtype.name)
+
+    def _lookup(self, ids, training, combiner):
+        if isinstance(ids, tf.SparseTensor):
+            return embedding_lookup_sparse(self.params, ids, combiner=combiner or "mean", training=training)
+        if isinstance(ids, tf.RaggedTensor):
+            return embedding_lookup_ragged(self.params, ids, combiner=combiner or "mean", training=training)
+        ids = tf.convert_to_tensor(ids)
+        if ids.dtype != self.key_dtype and ids.dtype.is_integer and self.key_dtype.is_integer:
+            ids = tf.cast(ids, self.key_dtype)
+        rows = embedding_lookup(self.params, ids, training=training)
+        if combiner is None:
+            return rows
+        if ids.shape.rank == 0:
+            raise ConfigError(f"combiner {combiner!r} needs ids of rank >= 1, got a scalar")
+        flat = tf.reshape(rows, [-1, tf.shape(ids)[-1], self.embedding_size])
+        n = tf.shape(flat)[0]
+        segments = tf.repeat(tf.range(n), tf.shape(ids)[-1])
+        combined = _combine(tf.reshape(flat, [-1, self.embedding_size]), segments, n, None, combiner)
+        out = tf.reshape(combined, tf.concat([tf.shape(ids)[:-1], [self.embedding_size]], 0))
+        if ids.shape.rank is not None:
+            out.set_shape(ids.shape[:-1].concatenate([self.embedding_size]))
+        return out
+
+    def call(self, inputs, training=None):
+        return self._lookup(inputs, training, self.combiner)
+
+    def compute_output_shape(self, input_shape):
+        shape = tf.TensorShape(input_shape)
+        if self.combiner is not None:
+            shape = shape[:-1]
+        return tuple(shape.concatenate([self.embedding_size]).as_list())
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("dtype", None)
+        config.update({
+            "embedding_size": self.embedding_size,
+            "key_dtype": self.key_dtype.name,
+            "value_dtype": self.value_dtype.name,
+            "initializer": _serialize_initializer(self._initializer_arg),
+            "combiner": self.combiner,
+            "num_shards": self.num_shards,
+            "seed": self.seed,
+            "table_creator": (None if self._creator_arg is None else
+                              {"class_name": type(self._creator_arg).__name__,
+                               "config": self._creator_arg.get_config()}),
+        })
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["initializer"] = _deserialize_initializer(config.get("initializer"))
+        config["table_creator"] = _creator_from_config(config.get("table_creator"))
+        return cls(**config)
+
+
+@_keras.utils.register_keras_serializable(package="tfde")
+class SquashedEmbedding(Embedding):
+    """Embedding that reduces every non-batch axis of the ids:
+    ``[batch, d1, ..., dk]`` ids -> ``[batch, dim]`` (combiner 'sum' by default).
+
+    Example:
+      >>> layer = tfde.keras.layers.SquashedEmbedding(4, initializer=1.0)
+      >>> layer(tf.constant([[1, 2, 3]])).numpy().tolist()
+      [[3.0, 3.0, 3.0, 3.0]]
+    """
+
+    def __init__(self, embedding_size: int, combiner: str = "sum", **kwargs):
+        if combiner is None:
+            raise ConfigError("SquashedEmbedding needs a combiner: 'sum', 'mean' or 'sqrtn'")
+        super().__init__(embedding_size, combiner=combiner, **kwargs)
+
+    def call(self, inputs, training=None):
+        if isinstance(inputs, (tf.SparseTensor, tf.RaggedTensor)):
+            return self._lookup(inputs, training, self.combiner)
+        ids = tf.convert_to_tensor(inputs)
+        if ids.shape.rank == 1:
+            ids = ids[:, None]
+        batch = tf.shape(ids)[0]
+        return self._lookup(tf.reshape(ids, [batch, -1]), training, self.combiner)
+
+    def compute_output_shape(self, input_shape):
+        return (tf.TensorShape(input_shape)[0], self.embedding_size)

@@ -1,0 +1,139 @@
+"""Embedding lookups on tfde Variables.
+
+Every lookup deduplicates the ids of the batch before the store is touched,
+and never inserts (DESIGN decision 3).  In training mode the rows go through
+the Variable's step buffer so that gradients reach
+tfde.DynamicEmbeddingOptimizer (see tfde/variable.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import tensorflow as tf
+
+from tfde.errors import ConfigError, ShapeError
+from tfde.variable import Variable
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+def _tape_recording() -> bool:
+    try:
+        from tensorflow.python.eager import record
+        return bool(record.could_possibly_record())
+    except (ImportError, AttributeError):  # pragma: no cover - private API moved
+        return True
+
+
+def _use_buffer(var: Variable, training: Optional[bool]) -> bool:
+    """Whether this lookup feeds the optimizer.
+
+    training=True/False is obeyed.  training=None means: in eager mode, only
+    under a recording GradientTape; while tracing a tf.function, yes (the
+    optimizer empties the buffer every step)."""
+    if not var.trainable or training is False:
+        return False
+    if training is True:
+        return True
+    return _tape_recording() if tf.executing_eagerly() else True
+
+
+def _check_var(var):
+    if not isinstance(var, Variable):
+        raise ConfigError(f"expected a tfde.Variable, got {type(var).__name__}; create one with tfde.Variable(...)")
+
+
+def _rows_for_unique(var: Variable, flat_ids, training):
+    """(rows gathered per flat id [n, dim])."""
+    unique, positions = tf.unique(flat_ids, out_idx=tf.int32)
+    if _use_buffer(var, training):
+        return var._trainable_lookup(unique, positions)
+    rows, _ = var._find(unique)
+    return tf.gather(rows, positions)
+
+
+def embedding_lookup(var: Variable, ids, training: Optional[bool] = None, name: Optional[str] = None):
+    """Rows of `ids` (any shape): output ``ids.shape + [dim]``.
+
+    Args:
+      var: the tfde.Variable.
+      ids: tensor of var.key_dtype, any shape (scalar included).
+      training: True routes the rows through the step buffer (gradients
+        reach the optimizer); False is a plain read; None decides as
+        described in _use_buffer.
+    """
+    _check_var(var)
+    with tf.name_scope(name or "tfde_embedding_lookup"):
+        ids = ids if tf.is_tensor(ids) else tf.convert_to_tensor(ids, dtype_hint=var.key_dtype)
+        flat = var._keys(tf.reshape(ids, [-1]))
+        rows = _rows_for_unique(var, flat, training)
+        out = tf.reshape(rows, tf.concat([tf.shape(ids), [var.dim]], 0))
+        if ids.shape.rank is not None:
+            out.set_shape(ids.shape.concatenate([var.dim]))
+        return out
+
+
+def _combine(rows, segment_ids, num_segments, weights, combiner):
+    """Combines rows [n, dim] into [num_segments, dim]; empty segments give 0."""
+    if combiner not in COMBINERS:
+        raise ConfigError(f"combiner must be one of {COMBINERS}, got {combiner!r}")
+    if weights is not None:
+        weights = tf.cast(weights, rows.dtype)
+        rows = rows * weights[:, None]
+    else:
+        weights = tf.ones(tf.shape(rows)[:1], rows.dtype)
+    summed = tf.math.unsorted_segment_sum(rows, segment_ids, num_segments)
+    if combiner == "sum":
+        return summed
+    if combiner == "mean":
+        denom = tf.math.unsorted_segment_sum(weights, segment_ids, num_segments)
+    else:
+        denom = tf.sqrt(tf.math.unsorted_segment_sum(weights * weights, segment_ids, num_segments))
+    return tf.math.divide_no_nan(summed, denom[:, None])
+
+
+def embedding_lookup_sparse(var: Variable, sp_ids: tf.SparseTensor, sp_weights: Optional[tf.SparseTensor] = None,
+                            combiner: str = "mean", training: Optional[bool] = None, name: Optional[str] = None):
+    """Combined rows per row of a 2-D SparseTensor of ids: ``[batch, dim]``.
+
+    Rows with no ids give zeros.  sp_weights, when given, must have the same
+    indices as sp_ids.  combiner: 'sum', 'mean' (weighted mean) or 'sqrtn'
+    (sum divided by the L2 norm of the weights).
+    """
+    _check_var(var)
+    if not isinstance(sp_ids, tf.SparseTensor):
+        raise ShapeError(f"sp_ids must be a tf.SparseTensor, got {type(sp_ids).__name__}")
+    if sp_ids.shape.rank is not None and sp_ids.shape.rank != 2:
+        raise ShapeError(f"sp_ids must be 2-D [batch, ids], got rank {sp_ids.shape.rank}")
+    with tf.name_scope(name or "tfde_embedding_lookup_sparse"):
+        rows = _rows_for_unique(var, var._keys(sp_ids.values), training)
+        segments = tf.cast(sp_ids.indices[:, 0], tf.int32)
+        batch = tf.cast(sp_ids.dense_shape[0], tf.int32)
+        weights = None if sp_weights is None else sp_weights.values
+        return _combine(rows, segments, batch, weights, combiner)
+
+
+def embedding_lookup_ragged(var: Variable, ragged_ids: tf.RaggedTensor, combiner: Optional[str] = "mean",
+                            weights: Optional[tf.RaggedTensor] = None, training: Optional[bool] = None,
+                            name: Optional[str] = None):
+    """Rows of a RaggedTensor of ids.
+
+    combiner=None returns the ragged rows (``ids.shape + [dim]``, ragged);
+    'sum' / 'mean' / 'sqrtn' reduce the ragged dimension of a 2-D ragged
+    tensor to ``[batch, dim]`` (empty rows give zeros).
+    """
+    _check_var(var)
+    if not isinstance(ragged_ids, tf.RaggedTensor):
+        raise ShapeError(f"ragged_ids must be a tf.RaggedTensor, got {type(ragged_ids).__name__}")
+    with tf.name_scope(name or "tfde_embedding_lookup_ragged"):
+        rows = _rows_for_unique(var, var._keys(ragged_ids.flat_values), training)
+        if combiner is None:
+            return ragged_ids.with_flat_values(rows)
+        if ragged_ids.ragged_rank != 1:
+            raise ShapeError("combining needs a 2-D ragged tensor [batch, (ids)]; got ragged_rank "
+                             f"{ragged_ids.ragged_rank}")
+        segments = tf.cast(ragged_ids.value_rowids(), tf.int32)
+        batch = tf.cast(ragged_ids.nrows(), tf.int32)
+        w = None if weights is None else weights.flat_values
+        return _combine(rows, segments, batch, w, combiner)

@@ -1,0 +1,232 @@
+"""DynamicEmbeddingOptimizer: lets a Keras optimizer train tfde Variables.
+
+``tfde.DynamicEmbeddingOptimizer(opt)`` returns `opt` itself, upgraded in
+place (its class becomes a subclass of its own class), so
+``model.compile(optimizer=...)``, isinstance checks, hyperparameters,
+learning-rate schedules, ``iterations`` and serialization of the dense part
+behave as before.  On ``apply_gradients`` it splits the pairs:
+
+* gradients of tfde step buffers (tfde.Variable.step_buffer) are mapped back
+  to keys, summed per key, clipped like the optimizer clips, and applied
+  lazily to the touched rows with the optimizer's own formula
+  (tfde/optimizer_rules.py); rows and optimizer slots are read from and
+  written back to the Variable's store, and the step buffer is emptied;
+* every other pair goes to the wrapped optimizer unchanged.
+
+Rows whose gradient contains NaN or Inf are left unchanged, slots included
+(the rest of the batch is applied), so a bad batch never corrupts a table.
+Supported: SGD (momentum, nesterov), Adagrad, Adam (amsgrad), AdamW, RMSprop
+(momentum, centered), Ftrl — from Keras 3 and tf-keras; clipnorm, clipvalue,
+global_clipnorm and weight_decay are honoured.  EMA and gradient accumulation
+are rejected.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import tensorflow as tf
+
+from tfde.errors import UnsupportedOptimizerError
+from tfde.optimizer_rules import RULES, SUPPORTED_NAMES, hp
+
+
+def is_step_buffer(var) -> bool:
+    return getattr(var, "_tfde_variable", None) is not None
+
+
+def _rule_for(opt):
+    module = type(opt).__module__
+    if ".legacy" in module:
+        raise UnsupportedOptimizerError(
+            f"{type(opt).__name__} from {module} is a legacy optimizer; use the non-legacy class "
+            f"(e.g. tf.keras.optimizers.{type(opt).__name__}). Supported: {', '.join(SUPPORTED_NAMES)}")
+    for cls in type(opt).__mro__:
+        if cls.__name__ in RULES:
+            return RULES[cls.__name__]
+    raise UnsupportedOptimizerError(
+        f"tfde cannot apply {type(opt).__name__} lazily to embedding rows. Supported optimizers (Keras 3 or "
+        f"tf-keras): {', '.join(SUPPORTED_NAMES)}.")
+
+
+def _check_options(opt):
+    if hp(opt, "use_ema", False):
+        raise UnsupportedOptimizerError(
+            "use_ema=True is not supported with tfde Variables (an EMA of a dynamic table would need a copy of "
+            "every row); create the optimizer with use_ema=False")
+    if hp(opt, "gradient_accumulation_steps", None):
+        raise UnsupportedOptimizerError(
+            "gradient_accumulation_steps is not supported with tfde Variables; use a larger batch instead")
+
+
+def current_learning_rate(opt):
+    """The learning rate for this step (schedules evaluated at iterations)."""
+    if hasattr(opt, "_get_current_learning_rate"):  # Keras 3
+        return opt._get_current_learning_rate()
+    lr = getattr(opt, "_learning_rate", None)
+    if lr is not None and callable(lr) and not isinstance(lr, tf.Variable):
+        return lr(opt.iterations)  # tf-keras LearningRateSchedule
+    return opt.learning_rate
+
+
+class _SparseGrad:
+    """The deduplicated gradient of one Variable for this step."""
+
+    def __init__(self, var, keys, grads):
+        self.var, self.keys, self.grads = var, keys, grads
+
+
+class DynamicEmbeddingMixin:
+    """Methods mixed into the optimizer's class by DynamicEmbeddingOptimizer."""
+
+    def build(self, var_list, *args, **kwargs):
+        return super().build([v for v in var_list if not is_step_buffer(v)], *args, **kwargs)
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        grads_and_vars = list(grads_and_vars)
+        if not any(is_step_buffer(v) for _, v in grads_and_vars):
+            return super().apply_gradients(grads_and_vars, *args, **kwargs)
+        dense, ready = self._tfde_apply_sparse(grads_and_vars)
+        with tf.control_dependencies(ready):
+            if dense:
+                return super().apply_gradients(dense, *args, **kwargs)
+            return self._iterations.assign_add(1)
+
+    def apply(self, grads, trainable_variables=None):  # Keras 3's entry point
+        if trainable_variables is None or not any(is_step_buffer(v) for v in trainable_variables):
+            return super().apply(grads, trainable_variables)
+        dense, ready = self._tfde_apply_sparse(list(zip(grads, trainable_variables)))
+        with tf.control_dependencies(ready):
+            if dense:
+                return super().apply([g for g, _ in dense], [v for _, v in dense])
+            return self._iterations.assign_add(1)
+
+    def _tfde_apply_sparse(self, grads_and_vars):
+        """Applies the step-buffer pairs; returns (dense pairs, possibly
+        rescaled by global_clipnorm, and the ops the dense update must follow)."""
+        sparse = [(g, v) for g, v in grads_and_vars if is_step_buffer(v)]
+        dense = [(g, v) for g, v in grads_and_vars if not is_step_buffer(v)]
+        prepared = [self._tfde_prepare(g, v._tfde_variable) for g, v in sparse]
+        prepared = [p for p in prepared if p is not None]
+        scale = self._tfde_global_clip_scale(prepared, dense)
+        if scale is not None:
+            for p in prepared:
+                p.grads = p.grads * tf.cast(scale, p.grads.dtype)
+            dense = [(None if g is None else _scale_grad(g, scale), v) for g, v in dense]
+        updates = [self._tfde_apply_rows(p) for p in prepared]
+        with tf.control_dependencies(updates):
+            resets = [v._tfde_variable._reset_step_buffer() for _, v in sparse]
+        return dense, resets
+
+    # ---------------------------------------------------------------- internals
+
+    def _tfde_prepare(self, grad, var):
+        if grad is None:
+            return None
+        if isinstance(grad, tf.IndexedSlices):
+            indices, values = grad.indices, grad.values
+        else:
+            values = tf.convert_to_tensor(grad)
+            indices = tf.range(tf.shape(values)[0])
+        keys = var._step_keys(indices)
+        unique, seg = tf.unique(keys, out_idx=tf.int32)
+        compute = tf.float32 if var.value_dtype in (tf.float16, tf.bfloat16) else var.value_dtype
+        summed = tf.math.unsorted_segment_sum(tf.cast(values, compute), seg, tf.size(unique))
+        scale = hp(self, "loss_scale_factor", None)
+        if scale is not None:
+            summed = summed / tf.cast(scale, compute)
+        clipnorm, clipvalue = hp(self, "clipnorm", None), hp(self, "clipvalue", None)
+        if clipnorm is not None:
+            summed = tf.clip_by_norm(summed, tf.cast(clipnorm, compute))
+        if clipvalue is not None:
+            summed = tf.clip_by_value(summed, -tf.cast(clipvalue, compute), tf.cast(clipvalue, compute))
+        return _SparseGrad(var, unique, summed)
+
+    def _tfde_global_clip_scale(self, prepared, dense):
+        clip = hp(self, "global_clipnorm", None)
+        if clip is None:
+            return None
+        norms = [tf.cast(tf.norm(p.grads), tf.float32) for p in prepared]
+        for g, _ in dense:
+            if g is not None:
+                g = g.values if isinstance(g, tf.IndexedSlices) else g
+                norms.append(tf.cast(tf.norm(g), tf.float32))
+        if not norms:
+            return None
+        total = tf.norm(tf.stack(norms))
+        return tf.minimum(1.0, tf.cast(clip, tf.float32) / tf.maximum(total, 1e-12))
+
+    def _tfde_apply_rows(self, p: _SparseGrad):
+        var, rule = p.var, self._tfde_rule
+        finite = tf.reduce_all(tf.math.is_finite(p.grads), axis=1)
+        keys = tf.boolean_mask(p.keys, finite)
+        g = tf.boolean_mask(p.grads, finite)
+        compute = g.dtype
+        rows = tf.cast(var._find(keys)[0], compute)
+        slot_vars = {name: var.slot(name, init) for name, init in rule.slots(self)}
+        slots = {name: tf.cast(s._find(keys)[0], compute) for name, s in slot_vars.items()}
+        lr = tf.cast(current_learning_rate(self), compute)
+        t = tf.cast(self.iterations + 1, compute)
+        wd = hp(self, "weight_decay", None)
+        if wd is not None and self._tfde_use_weight_decay(var):
+            rows = rows - rows * tf.cast(wd, compute) * lr
+        new_rows, new_slots = rule.update(self, rows, g, slots, lr, t)
+        ops = [var.upsert(keys, tf.cast(new_rows, var.value_dtype))]
+        for name, value in new_slots.items():
+            ops.append(slot_vars[name].upsert(keys, tf.cast(value, var.value_dtype)))
+        if var.restrict_policy is not None:
+            with tf.control_dependencies(ops):
+                hook = var.restrict_policy.on_apply(keys)
+                if hook is not None:
+                    ops.append(hook)
+        return tf.group(ops)
+
+    def _tfde_use_weight_decay(self, var) -> bool:
+        try:
+            return bool(self._use_weight_decay(var.step_buffer))
+        except Exception:  # exclusion lists that cannot judge a raw tf.Variable
+            return True
+
+
+def _scale_grad(g, scale):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(scale, g.dtype)
+
+
+_classes = {}
+
+
+def _wrapped_class(base):
+    if base not in _classes:
+        _classes[base] = type(base.__name__, (DynamicEmbeddingMixin, base), {
+            "__module__": base.__module__,
+            "__doc__": f"{base.__name__} that also trains tfde Variables (see tfde.DynamicEmbeddingOptimizer).",
+        })
+    return _classes[base]
+
+
+def DynamicEmbeddingOptimizer(optimizer):
+    """Returns `optimizer`, upgraded in place to also train tfde Variables.
+
+    Args:
+      optimizer: a Keras 3 (``keras.optimizers.*``) or tf-keras
+        (``tf_keras.optimizers.*``) SGD, Adagrad, Adam, AdamW, RMSprop or Ftrl.
+
+    Raises:
+      UnsupportedOptimizerError: for any other optimizer (the message lists
+        the supported ones), legacy tf-keras optimizers, EMA or gradient
+        accumulation.
+
+    Example:
+      >>> opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
+      >>> isinstance(opt, tf.keras.optimizers.Adam)
+      True
+    """
+    if isinstance(optimizer, DynamicEmbeddingMixin):
+        return optimizer
+    rule = _rule_for(optimizer)
+    _check_options(optimizer)
+    optimizer.__class__ = _wrapped_class(type(optimizer))
+    optimizer._tfde_rule = rule
+    return optimizer

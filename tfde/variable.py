@@ -1,0 +1,290 @@
+"""tfde.Variable: a dynamic embedding table split over shards of a store.
+
+A Variable maps keys (int64, int32 or string) to rows ``[dim]`` of a float
+dtype.  Its rows live in one table per shard, made by a TableCreator (the
+in-process cuckoo table by default); a key's shard is given by the stable
+hash (tfde.hashing).  Lookups never insert (DESIGN decision 3): a key that was
+never written reads its initial row, a deterministic function of (key, seed).
+
+Training: a trainable Variable owns a *step buffer*, a ``tf.Variable`` of
+shape ``[None, dim]`` that holds the rows looked up for training since the
+optimizer's last step, with their keys beside it.  Lookups in training mode
+append to it and gather from it, so the gradient of the loss reaches it as
+IndexedSlices; tfde.DynamicEmbeddingOptimizer maps those back to keys, applies
+the update to the touched rows, writes them to the store and empties the
+buffer.  A layer called twice in one step appends twice, so both calls'
+gradients are applied.
+
+Thread-safety: lookups and writes may run concurrently (the stores are
+thread-safe); the step buffer assumes one training step at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, Optional, Tuple
+
+import tensorflow as tf
+
+from tfde import initializers as _init
+from tfde.errors import ConfigError, ShapeError
+from tfde.hashing import shard_index
+from tfde.tables.base import DEFAULT_EXPORT_CHUNK_ROWS, TableCreator, as_keys
+from tfde.tables.cuckoo import CuckooTableCreator, check_dtypes
+
+
+def _module_name(name: str) -> str:
+    cleaned = re.sub(r"\W", "_", name)
+    return cleaned if cleaned and not cleaned[0].isdigit() else "v_" + cleaned
+
+
+class Variable(tf.Module):
+    """A dynamic embedding table.
+
+    Args:
+      name: unique name; tables are named ``{name}/shard_{i}_of_{n}``.
+      key_dtype: tf.int64 (default), tf.int32 or tf.string.
+      value_dtype: tf.float32 (default), tf.float64, tf.float16, tf.bfloat16.
+      dim: row width, 1..65536.
+      initializer: what a key reads before it is written: a number, an
+        initializer object or name (see tfde.initializers.SUPPORTED).
+      seed: seed of the initial rows when the initializer has none; defaults
+        to a stable hash of `name`, so every worker agrees.
+      num_shards: tables the keys are split over by stable hash.
+      table_creator: backend; tfde.CuckooTableCreator() by default.
+      restrict_policy: a tfde.RestrictPolicy (class or instance) told about
+        every training update; see tfde.policy.
+      trainable: whether lookups in training mode feed the optimizer.
+
+    Example:
+      >>> v = tfde.Variable("ids", dim=4, initializer=0.0)
+      >>> v.upsert([1, 2], [[1.0] * 4, [2.0] * 4])
+      >>> v.lookup([2, 3]).numpy().tolist()
+      [[2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0]]
+    """
+
+    def __init__(self, name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1,
+                 initializer=None, seed: Optional[int] = None, num_shards: int = 1,
+                 table_creator: Optional[TableCreator] = None, restrict_policy=None,
+                 trainable: bool = True):
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a Variable needs a non-empty string name, got {name!r}")
+        super().__init__(name=_module_name(name))
+        self._full_name = name
+        self.key_dtype, self.value_dtype, self.dim = check_dtypes(key_dtype, value_dtype, dim)
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+            raise ConfigError(f"num_shards must be an int >= 1, got {num_shards!r}")
+        self.num_shards = num_shards
+        self.seed = _init.default_seed_for(name, seed)
+        self.initializer = _init.resolve(initializer, dim, self.seed)
+        self.table_creator = table_creator if table_creator is not None else CuckooTableCreator()
+        if not isinstance(self.table_creator, TableCreator):
+            raise ConfigError(f"table_creator must be a tfde TableCreator, got {type(self.table_creator).__name__}")
+        self.trainable = bool(trainable)
+        with tf.init_scope():
+            self._tables = [self.table_creator.create(self._table_name(i), self.key_dtype, self.value_dtype, dim)
+                            for i in range(num_shards)]
+            if self.trainable:
+                self._rows_buffer = tf.Variable(tf.zeros([0, dim], self.value_dtype), shape=tf.TensorShape([None, dim]),
+                                                trainable=True, name=f"{self.name}/step_rows")
+                self._keys_buffer = tf.Variable(tf.zeros([0], self.key_dtype), shape=tf.TensorShape([None]),
+                                                trainable=False, name=f"{self.name}/step_keys")
+                self._rows_buffer._tfde_variable = self  # how the optimizer finds its way back
+        self._slots = {}
+        self.restrict_policy = None
+        if restrict_policy is not None:
+            self.restrict_policy = restrict_policy(self) if isinstance(restrict_policy, type) else restrict_policy
+            self.restrict_policy.bind(self)
+
+    # ------------------------------------------------------------ identity
+
+    @property
+    def name(self) -> str:
+        return self._full_name
+
+    def _table_name(self, i: int) -> str:
+        return f"{self._full_name}/shard_{i}_of_{self.num_shards}"
+
+    @property
+    def tables(self):
+        return list(self._tables)
+
+    @property
+    def step_buffer(self) -> tf.Variable:
+        """The trainable [None, dim] buffer of this step's looked-up rows."""
+        if not self.trainable:
+            raise ConfigError(f"Variable {self.name!r} was created with trainable=False")
+        return self._rows_buffer
+
+    def __repr__(self):
+        return (f"tfde.Variable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}], "
+                f"shards={self.num_shards}, store={type(self._tables[0]).__name__})")
+
+    # ------------------------------------------------------------ routing
+
+    def _keys(self, keys) -> tf.Tensor:
+        return as_keys(keys, self.key_dtype, self.name)
+
+    def _missing(self, flat_keys):
+        if isinstance(self.initializer, _init.PerKey):
+            rows = tf.convert_to_tensor(self.initializer.fn(flat_keys), dtype=self.value_dtype)
+            return tf.ensure_shape(rows, [None, self.dim])
+        return self.initializer
+
+    def _split(self, flat_keys):
+        """(shard of each key, per-shard keys, per-shard positions)."""
+        shard = shard_index(flat_keys, self.num_shards)
+        keys = tf.dynamic_partition(flat_keys, shard, self.num_shards)
+        pos = tf.dynamic_partition(tf.range(tf.size(flat_keys)), shard, self.num_shards)
+        return keys, pos
+
+    def _find(self, flat_keys) -> Tuple[tf.Tensor, tf.Tensor]:
+        missing = self._missing(flat_keys)
+        if self.num_shards == 1:
+            values, exists = self._tables[0].find(flat_keys, missing)
+        else:
+            keys, pos = self._split(flat_keys)
+            found = []
+            for i, table in enumerate(self._tables):
+                shard_missing = missing if isinstance(missing, _init.InitSpec) else tf.gather(missing, pos[i])
+                found.append(table.find(keys[i], shard_missing))
+            values = tf.dynamic_stitch(pos, [f[0] for f in found])
+            exists = tf.dynamic_stitch(pos, [f[1] for f in found])
+        values = tf.ensure_shape(values, [None, self.dim])
+        return values, exists
+
+    def _rows_arg(self, values, n_keys_shape, what="values"):
+        values = tf.convert_to_tensor(values, dtype_hint=self.value_dtype)
+        if values.dtype != self.value_dtype:
+            if not (values.dtype.is_floating or values.dtype.is_integer):
+                raise ShapeError(f"{what} for {self.name!r} are {values.dtype.name}, expected {self.value_dtype.name}")
+            values = tf.cast(values, self.value_dtype)
+        if values.shape.rank is not None and values.shape.rank >= 1 and values.shape[-1] is not None \
+                and values.shape[-1] != self.dim:
+            raise ShapeError(f"{what} for {self.name!r} have last dimension {values.shape[-1]}, but the Variable "
+                             f"holds rows of dim {self.dim}; expected shape keys.shape + [{self.dim}]")
+        return tf.reshape(values, [-1, self.dim])
+
+    def _for_each_shard(self, flat_keys, rows, fn):
+        if self.num_shards == 1:
+            return [fn(self._tables[0], flat_keys, rows)]
+        keys, pos = self._split(flat_keys)
+        return [fn(t, keys[i], None if rows is None else tf.gather(rows, pos[i])) for i, t in enumerate(self._tables)]
+
+    # ------------------------------------------------------------ public API
+
+    def lookup(self, keys, return_exists: bool = False):
+        """Rows of `keys`, shape ``keys.shape + [dim]``; never inserts.
+
+        With return_exists=True also returns a bool tensor of keys.shape
+        telling which keys are stored."""
+        keys = tf.convert_to_tensor(keys, dtype_hint=self.key_dtype) if not tf.is_tensor(keys) else keys
+        shape = tf.shape(keys)
+        flat = self._keys(tf.reshape(keys, [-1]))
+        values, exists = self._find(flat)
+        values = tf.reshape(values, tf.concat([shape, [self.dim]], 0))
+        if keys.shape.rank is not None:
+            values.set_shape(keys.shape.concatenate([self.dim]))
+        if return_exists:
+            return values, tf.reshape(exists, shape)
+        return values
+
+    def upsert(self, keys, values):
+        """Stores `values` (``keys.shape + [dim]``) under `keys`."""
+        flat = self._keys(tf.reshape(tf.convert_to_tensor(keys, dtype_hint=self.key_dtype), [-1]))
+        rows = self._rows_arg(values, None)
+        self._check_count(flat, rows)
+        return tf.group(self._for_each_shard(flat, rows, lambda t, k, r: t.insert(k, r)))
+
+    def accum(self, keys, deltas):
+        """Adds `deltas` to the rows of `keys`; a key not stored yet starts from
+        its initial row.  Duplicated keys add up."""
+        flat = self._keys(tf.reshape(tf.convert_to_tensor(keys, dtype_hint=self.key_dtype), [-1]))
+        rows = self._rows_arg(deltas, None, "deltas")
+        self._check_count(flat, rows)
+
+        def one(table, k, d):
+            missing = self._missing(k)
+            return table.accum(k, d, missing)
+
+        return tf.group(self._for_each_shard(flat, rows, one))
+
+    def remove(self, keys):
+        """Removes `keys` (and, when present, their optimizer slots); returns
+        how many rows were removed (int64 scalar)."""
+        flat = self._keys(tf.reshape(tf.convert_to_tensor(keys, dtype_hint=self.key_dtype), [-1]))
+        removed = tf.add_n(self._for_each_shard(flat, None, lambda t, k, r: t.remove(k)))
+        for slot in self._slots.values():
+            slot.remove(flat)
+        return removed
+
+    def clear(self):
+        """Removes every key, slots included."""
+        ops = [t.clear() for t in self._tables]
+        for slot in self._slots.values():
+            ops.append(slot.clear())
+        return tf.group([o for o in ops if o is not None])
+
+    def size(self) -> tf.Tensor:
+        """Number of stored keys over all shards (int64 scalar)."""
+        return tf.add_n([t.size() for t in self._tables])
+
+    def export(self, chunk_rows: int = DEFAULT_EXPORT_CHUNK_ROWS) -> Iterator[Tuple[tf.Tensor, tf.Tensor]]:
+        """Eager iterator over (keys [m], rows [m, dim]) chunks of at most
+        chunk_rows, shard after shard."""
+        for t in self._tables:
+            yield from t.export(chunk_rows)
+
+    def import_(self, keys, values, replace: bool = False):
+        """Upserts (keys, values); replace=True clears the Variable first."""
+        if replace:
+            self.clear()
+        return self.upsert(keys, values)
+
+    def _check_count(self, flat, rows):
+        if flat.shape[0] is not None and rows.shape[0] is not None and flat.shape[0] != rows.shape[0]:
+            raise ShapeError(f"{flat.shape[0]} keys but {rows.shape[0]} rows for {self.name!r}; "
+                             f"values must have shape keys.shape + [{self.dim}]")
+
+    # ------------------------------------------------------------ slots
+
+    def slot(self, slot_name: str, initial_value: float) -> "Variable":
+        """The optimizer slot `slot_name`: a Variable of the same key dtype,
+        dim, sharding and backend whose missing rows read `initial_value`.
+        Created on first use; removed and cleared with this Variable."""
+        if slot_name not in self._slots:
+            with tf.init_scope():
+                self._slots[slot_name] = Variable(
+                    f"{self._full_name}-{slot_name}", key_dtype=self.key_dtype, value_dtype=self.value_dtype,
+                    dim=self.dim, initializer=float(initial_value), num_shards=self.num_shards,
+                    table_creator=self.table_creator, trainable=False)
+        return self._slots[slot_name]
+
+    @property
+    def slots(self) -> dict:
+        return dict(self._slots)
+
+    # ------------------------------------------------------------ step buffer
+
+    def _trainable_lookup(self, unique_keys, positions):
+        """Appends rows of `unique_keys` to the step buffer and gathers the
+        rows at `positions` (indices into unique_keys) from it, so the
+        gradient reaches the buffer."""
+        rows, _ = self._find(unique_keys)
+        offset = tf.raw_ops.VariableShape(input=self._rows_buffer.handle, out_type=tf.int32)[0]
+        self._rows_buffer.assign(tf.concat([self._rows_buffer.read_value(), rows], 0))
+        self._keys_buffer.assign(tf.concat([self._keys_buffer.read_value(), unique_keys], 0))
+        return tf.gather(self._rows_buffer, positions + offset)
+
+    def _step_keys(self, indices):
+        return tf.gather(self._keys_buffer, indices)
+
+    def _reset_step_buffer(self):
+        return tf.group(self._rows_buffer.assign(tf.zeros([0, self.dim], self.value_dtype)),
+                        self._keys_buffer.assign(tf.zeros([0], self.key_dtype)))
+
+
+def get_variable(name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1, initializer=None,
+                 **kwargs) -> Variable:
+    """Creates a tfde.Variable (TFRA-style spelling of the constructor)."""
+    return Variable(name, key_dtype=key_dtype, value_dtype=value_dtype, dim=dim, initializer=initializer, **kwargs)
