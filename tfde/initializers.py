@@ -143,6 +143,7 @@ def init_rows_reference(keys, spec: InitSpec, dim: int):
 
     golden, m = 0x9E3779B97F4A7C15, (1 << 64) - 1
     out = np.empty((len(keys), dim), np.float64)
+    p0, p1 = float(np.float32(spec.p0)), float(np.float32(spec.p1))  # op attrs are float32
 
     def u01(x):
         return (x >> 11) * 2.0 ** -53
@@ -160,16 +161,16 @@ def init_rows_reference(keys, spec: InitSpec, dim: int):
 
         for j in range(dim):
             if spec.kind == "constant":
-                out[i, j] = spec.p0
+                out[i, j] = p0
             elif spec.kind == "uniform":
-                out[i, j] = spec.p0 + (spec.p1 - spec.p0) * u01(draw(j, 0))
+                out[i, j] = p0 + (p1 - p0) * u01(draw(j, 0))
             elif spec.kind == "normal":
-                out[i, j] = spec.p0 + spec.p1 * normal(j, 0)
+                out[i, j] = p0 + p1 * normal(j, 0)
             else:
                 z = 2.0
                 for a in range(64):
                     z = normal(j, a)
                     if abs(z) <= 2.0:
                         break
-                out[i, j] = spec.p0 + spec.p1 * max(-2.0, min(2.0, z))
+                out[i, j] = p0 + p1 * max(-2.0, min(2.0, z))
     return out

@@ -1,0 +1,101 @@
+"""The cuckoo core without TensorFlow (C++ stress test), and the stable hash
+and initial rows checked bit for bit against their Python references."""
+
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfde import _native, hashing
+from tfde.initializers import InitSpec, init_rows_reference
+
+SRC = _native.source_dir() / "cuckoo"
+
+
+@pytest.fixture(scope="module")
+def stress_binary():
+    cxx = shutil.which("g++") or shutil.which("c++")
+    out = Path(tempfile.mkdtemp()) / "stress_test"
+    subprocess.run([cxx, "-std=c++17", "-O2", "-pthread", str(SRC / "stress_test.cc"), "-o", str(out)], check=True)
+    return out
+
+
+@pytest.mark.parametrize("seed", [7, random.SystemRandom().randrange(1 << 30)])
+def test_cpp_stress_threads_against_shadow_maps(stress_binary, seed):
+    proc = subprocess.run([str(stress_binary), str(seed), "4", "1500"], capture_output=True, text=True, timeout=300)
+    print(proc.stdout)
+    assert proc.returncode == 0, f"stress test failed (replay with seed {seed}):\n{proc.stdout}\n{proc.stderr}"
+    assert f"seed {seed}" in proc.stdout and "PASS" in proc.stdout
+
+
+def test_core_has_no_tensorflow_includes():
+    for name in ("cuckoo_table.h", "hash.h", "init_rows.h", "stress_test.cc"):
+        includes = [line for line in (SRC / name).read_text().splitlines() if line.startswith("#include")]
+        assert includes and not any("tensorflow" in line or "Eigen" in line for line in includes), name
+
+
+@pytest.mark.parametrize("dtype", [tf.int64, tf.int32])
+def test_stable_hash_matches_reference_for_ints(dtype):
+    info = np.iinfo(dtype.as_numpy_dtype)
+    keys = np.concatenate([np.arange(-50, 50), [info.min, info.max, 0, 1, 2 ** 20],
+                           np.random.default_rng(0).integers(info.min, info.max, 200)]).astype(dtype.as_numpy_dtype)
+    got = hashing.stable_hash(tf.constant(keys)).numpy().view(np.uint64)
+    want = np.array([hashing.stable_hash_py(int(k)) for k in keys], np.uint64)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_int32_and_int64_keys_hash_alike():
+    keys = np.arange(-1000, 1000)
+    a = hashing.stable_hash(tf.constant(keys, tf.int32)).numpy()
+    b = hashing.stable_hash(tf.constant(keys, tf.int64)).numpy()
+    np.testing.assert_array_equal(a, b)
+
+
+def test_stable_hash_matches_reference_for_strings():
+    keys = [b"", b"a", b"abcdefg", b"abcdefgh", b"abcdefghi", "ünïcode".encode(), b"x" * 100, b"\0\0"]
+    got = hashing.stable_hash(tf.constant(keys)).numpy().view(np.uint64)
+    want = np.array([hashing.stable_hash_py(k) for k in keys], np.uint64)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pinned_hash_values_never_change():
+    # Part of the on-disk / in-Redis format (DESIGN 4): these must not move.
+    assert hashing.stable_hash_py(0) == 0xE220A8397B1DCDAF
+    assert hashing.stable_hash_py(1) == 0x910A2DEC89025CC1
+    assert hashing.stable_hash_py(b"user_1") == hashing.stable_hash_py("user_1")
+    assert [hashing.shard_of_py(hashing.stable_hash_py(k), 4) for k in range(8)] == \
+        list(hashing.shard_index(tf.constant(np.arange(8), tf.int64), 4).numpy())
+
+
+def test_sequential_ids_spread_evenly_over_shards():
+    shards = hashing.shard_index(tf.range(100_000, dtype=tf.int64), 8).numpy()
+    counts = np.bincount(shards, minlength=8)
+    assert counts.min() > 0.95 * 100_000 / 8, counts
+
+
+@pytest.mark.parametrize("spec", [InitSpec("uniform", -0.5, 0.25, 11), InitSpec("normal", 0.1, 2.0, 12),
+                                  InitSpec("truncated_normal", 0.0, 1.0, 13), InitSpec("constant", 0.75, 0, 1)])
+def test_init_rows_match_reference(spec):
+    ops = _native.load()
+    keys = np.array([0, 1, -5, 2 ** 40, 77], np.int64)
+    got = ops.tfde_init_rows(tf.constant(keys), Tvalue=tf.float64, dim=7, **spec.attrs()).numpy()
+    want = init_rows_reference(list(keys), spec, 7)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    if spec.kind == "truncated_normal":
+        assert np.all(np.abs(got) <= 2.0)
+
+
+def test_init_rows_distribution():
+    ops = _native.load()
+    got = ops.tfde_init_rows(tf.range(20000, dtype=tf.int64), Tvalue=tf.float32, dim=8,
+                             init_kind="normal", init_p0=1.0, init_p1=3.0, init_seed=5).numpy()
+    assert abs(got.mean() - 1.0) < 0.05 and abs(got.std() - 3.0) < 0.05
+    u = ops.tfde_init_rows(tf.range(20000, dtype=tf.int64), Tvalue=tf.float32, dim=8,
+                           init_kind="uniform", init_p0=-1.0, init_p1=1.0, init_seed=5).numpy()
+    assert u.min() >= -1.0 and u.max() < 1.0 and abs(u.mean()) < 0.02

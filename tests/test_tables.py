@@ -1,0 +1,269 @@
+"""One suite for every Table backend, checked against the reference table
+(a Python dict, the executable spec)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+import tfde
+from tfde.initializers import InitSpec
+from tfde.tables import CuckooTableCreator, ReferenceTableCreator
+
+# Backends under test (the reference is the oracle).  Later backends add here.
+BACKENDS = {"cuckoo": CuckooTableCreator()}
+KEY_DTYPES = [tf.int64, tf.int32, tf.string]
+INIT = InitSpec("uniform", -1.0, 1.0, 3)
+
+
+def make_keys(dtype, values):
+    values = list(values)
+    if dtype == tf.string:
+        return tf.constant([f"k{v}".encode() for v in values], tf.string) if values else tf.zeros([0], tf.string)
+    return tf.constant(values, dtype) if values else tf.zeros([0], dtype)
+
+
+def exported(table):
+    keys, rows = [], []
+    for k, v in table.export(chunk_rows=7):
+        keys.extend(k.numpy().tolist())
+        rows.extend(v.numpy())
+    order = np.argsort(np.array(keys, dtype=object)) if keys else []
+    return [keys[i] for i in order], np.array([rows[i] for i in order])
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request):
+    return BACKENDS[request.param]
+
+
+@pytest.mark.parametrize("key_dtype", KEY_DTYPES, ids=lambda d: d.name)
+def test_basic_ops_match_reference(backend, key_dtype, rng):
+    dim = 5
+    t = backend.create("basic", key_dtype, tf.float32, dim)
+    ref = ReferenceTableCreator().create("basic", key_dtype, tf.float32, dim)
+    for step in range(6):
+        ks = make_keys(key_dtype, rng.integers(0, 40, 25))
+        vals = tf.constant(rng.standard_normal((25, dim)), tf.float32)
+        for table in (t, ref):
+            table.insert(ks, vals)
+        deltas = tf.constant(rng.standard_normal((25, dim)), tf.float32)
+        ks2 = make_keys(key_dtype, rng.integers(0, 60, 25))
+        for table in (t, ref):
+            table.accum(ks2, deltas, INIT)
+        gone = make_keys(key_dtype, rng.integers(0, 60, 10))
+        assert int(t.remove(gone)) == int(ref.remove(gone))
+        probe = make_keys(key_dtype, range(70))
+        v1, e1 = t.find(probe, INIT)
+        v2, e2 = ref.find(probe, INIT)
+        np.testing.assert_array_equal(e1.numpy(), e2.numpy())
+        np.testing.assert_allclose(v1.numpy(), v2.numpy(), rtol=1e-6, atol=1e-6)
+        assert int(t.size()) == int(ref.size())
+    k1, r1 = exported(t)
+    k2, r2 = exported(ref)
+    assert k1 == k2
+    np.testing.assert_allclose(r1, r2, rtol=1e-6, atol=1e-6)
+    t.clear()
+    assert int(t.size()) == 0 and not any(True for _ in t.export())
+
+
+@pytest.mark.parametrize("value_dtype", [tf.float32, tf.float64, tf.float16, tf.bfloat16], ids=lambda d: d.name)
+def test_value_dtypes(backend, value_dtype):
+    t = backend.create("vd", tf.int64, value_dtype, 3)
+    t.insert(tf.constant([1, 2], tf.int64), tf.constant([[1, 2, 3], [4, 5, 6]], value_dtype))
+    t.accum(tf.constant([2, 9], tf.int64), tf.constant([[1, 1, 1], [0.5, 0.5, 0.5]], value_dtype),
+            InitSpec("constant", 1.0))
+    v, e = t.find(tf.constant([1, 2, 9, 3], tf.int64), InitSpec("constant", -1.0))
+    assert v.dtype == value_dtype
+    np.testing.assert_allclose(tf.cast(v, tf.float64).numpy(),
+                               [[1, 2, 3], [5, 6, 7], [1.5, 1.5, 1.5], [-1, -1, -1]])
+    assert e.numpy().tolist() == [True, True, True, False]
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3, 64, 1024, 1031])
+def test_dims(backend, dim, rng):
+    t = backend.create(f"dim{dim}", tf.int64, tf.float32, dim)
+    vals = rng.standard_normal((50, dim)).astype(np.float32)
+    t.insert(tf.range(50, dtype=tf.int64), vals)
+    v, _ = t.find(tf.range(50, dtype=tf.int64), tf.zeros([1, dim]))
+    np.testing.assert_array_equal(v.numpy(), vals)
+
+
+def test_defaults_tensor_per_key_and_broadcast(backend):
+    t = backend.create("defaults", tf.int64, tf.float32, 2)
+    t.insert(tf.constant([5], tf.int64), tf.constant([[9.0, 9.0]]))
+    v, _ = t.find(tf.constant([4, 5, 6], tf.int64), tf.constant([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]))
+    assert v.numpy().tolist() == [[1, 1], [9, 9], [3, 3]]
+    v, _ = t.find(tf.constant([4, 5], tf.int64), tf.constant([[7.0, 8.0]]))
+    assert v.numpy().tolist() == [[7, 8], [9, 9]]
+
+
+def test_find_never_inserts(backend):
+    t = backend.create("noinsert", tf.int64, tf.float32, 2)
+    t.find(tf.range(100, dtype=tf.int64), INIT)
+    assert int(t.size()) == 0
+
+
+def test_empty_batches(backend):
+    t = backend.create("empty", tf.string, tf.float32, 4)
+    e = tf.zeros([0], tf.string)
+    v, ex = t.find(e, INIT)
+    assert v.shape == (0, 4) and ex.shape == (0,)
+    t.insert(e, tf.zeros([0, 4]))
+    t.accum(e, tf.zeros([0, 4]), INIT)
+    assert int(t.remove(e)) == 0 and int(t.size()) == 0
+
+
+def test_duplicates_in_one_batch(backend):
+    t = backend.create("dups", tf.int64, tf.float32, 1)
+    k = tf.constant([3, 3, 3], tf.int64)
+    t.insert(k, tf.constant([[1.0], [2.0], [3.0]]))
+    assert t.find(tf.constant([3], tf.int64), INIT)[0].numpy().tolist() == [[3.0]]  # last wins
+    t.accum(k, tf.constant([[1.0], [1.0], [1.0]]), INIT)
+    assert t.find(tf.constant([3], tf.int64), INIT)[0].numpy().tolist() == [[6.0]]  # all add
+
+
+def test_export_in_bounded_chunks(backend):
+    t = backend.create("chunks", tf.int64, tf.float32, 2)
+    t.insert(tf.range(1000, dtype=tf.int64), tf.zeros([1000, 2]))
+    sizes = [int(tf.size(k)) for k, _ in t.export(chunk_rows=128)]
+    assert max(sizes) <= 128 and sum(sizes) == 1000
+    keys = np.concatenate([k.numpy() for k, _ in t.export(chunk_rows=128)])
+    assert sorted(keys.tolist()) == list(range(1000))
+
+
+def test_import_replace(backend):
+    t = backend.create("imp", tf.int64, tf.float32, 1)
+    t.insert(tf.constant([1, 2], tf.int64), tf.constant([[1.0], [2.0]]))
+    t.import_(tf.constant([3], tf.int64), tf.constant([[3.0]]), replace=True)
+    assert int(t.size()) == 1
+
+
+def test_works_inside_tf_function(backend):
+    t = backend.create("graph", tf.int64, tf.float32, 3)
+
+    @tf.function
+    def step(k, v):
+        t.insert(k, v)
+        t.accum(k, v, INIT)
+        rows, exists = t.find(k, INIT)
+        return rows, exists, t.size()
+
+    rows, exists, size = step(tf.constant([1, 2], tf.int64), tf.ones([2, 3]))
+    assert rows.numpy().tolist() == [[2.0] * 3] * 2 and int(size) == 2
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_wrong_key_dtype_is_a_clear_error(backend):
+    t = backend.create("kd", tf.int64, tf.float32, 2)
+    with pytest.raises(tfde.ShapeError, match="are string, expected int64"):
+        t.find(tf.constant(["a"]), INIT)
+    with pytest.raises(tfde.ShapeError, match="cast them"):
+        t.insert(tf.constant([1], tf.int32), tf.zeros([1, 2]))
+
+
+def test_wrong_dim_is_a_clear_error(backend):
+    t = backend.create("wd", tf.int64, tf.float32, 4)
+    with pytest.raises(tfde.ShapeError, match=r"shape \[n, 4\]"):
+        t.insert(tf.constant([1], tf.int64), tf.zeros([1, 3]))
+    assert int(t.size()) == 0
+
+
+def test_native_op_validates_shapes_itself():
+    # Bypass the Python checks: the kernel must refuse before touching memory.
+    t = CuckooTableCreator().create("raw", tf.int64, tf.float32, 4)
+    ops = tfde._native.load()
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"values must have shape \[2, 4\]"):
+        ops.tfde_table_insert(t.resource_handle, tf.constant([1, 2], tf.int64), tf.zeros([3, 4]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="keys must be a vector"):
+        ops.tfde_table_insert(t.resource_handle, tf.constant([[1]], tf.int64), tf.zeros([1, 4]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="keys are string but the table"):
+        ops.tfde_table_find(t.resource_handle, tf.constant(["x"]), tf.zeros([1, 4]), dim=4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"defaults must have shape"):
+        ops.tfde_table_find(t.resource_handle, tf.constant([1, 2], tf.int64), tf.zeros([3, 4]), dim=4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="values are double"):
+        ops.tfde_table_insert(t.resource_handle, tf.constant([1], tf.int64), tf.zeros([1, 4], tf.float64))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="max_rows must be > 0"):
+        ops.tfde_table_export(t.resource_handle, 0, 0, dim=4, Tkey=tf.int64, Tvalue=tf.float32)
+    assert int(t.size()) == 0
+
+
+@pytest.mark.parametrize("dim", [0, -3, 1 << 20, 2.5, True])
+def test_bad_dims(dim):
+    with pytest.raises(tfde.ConfigError, match="dim must be an int between 1 and 65536"):
+        CuckooTableCreator().create("bad", tf.int64, tf.float32, dim)
+
+
+def test_bad_dtypes():
+    with pytest.raises(tfde.ConfigError, match="key_dtype float32 is not supported"):
+        CuckooTableCreator().create("bad", tf.float32, tf.float32, 2)
+    with pytest.raises(tfde.ConfigError, match="value_dtype int32 is not supported"):
+        CuckooTableCreator().create("bad", tf.int64, tf.int32, 2)
+
+
+# ---------------------------------------------------------------- state machine
+
+class TableMachine(RuleBasedStateMachine):
+    """Random operation sequences on a backend and on the reference table."""
+
+    keys = st.lists(st.integers(0, 30), min_size=0, max_size=12)
+
+    @initialize(backend=st.sampled_from(sorted(BACKENDS)), key_dtype=st.sampled_from(KEY_DTYPES))
+    def setup(self, backend, key_dtype):
+        self.key_dtype = key_dtype
+        self.t = BACKENDS[backend].create("sm", key_dtype, tf.float32, 3)
+        self.ref = ReferenceTableCreator().create("sm", key_dtype, tf.float32, 3)
+        self.counter = 0
+
+    def _rows(self, n):
+        self.counter += 1
+        return tf.constant(np.arange(n * 3, dtype=np.float32).reshape(n, 3) + self.counter)
+
+    @rule(ks=keys)
+    def insert(self, ks):
+        rows = self._rows(len(ks))
+        for table in (self.t, self.ref):
+            table.insert(make_keys(self.key_dtype, ks), rows)
+
+    @rule(ks=keys)
+    def accum(self, ks):
+        rows = self._rows(len(ks))
+        for table in (self.t, self.ref):
+            table.accum(make_keys(self.key_dtype, ks), rows, INIT)
+
+    @rule(ks=keys)
+    def remove(self, ks):
+        k = make_keys(self.key_dtype, ks)
+        assert int(self.t.remove(k)) == int(self.ref.remove(k))
+
+    @rule()
+    def clear(self):
+        self.t.clear()
+        self.ref.clear()
+
+    @rule(ks=keys)
+    def find(self, ks):
+        k = make_keys(self.key_dtype, ks)
+        v1, e1 = self.t.find(k, INIT)
+        v2, e2 = self.ref.find(k, INIT)
+        np.testing.assert_array_equal(e1.numpy(), e2.numpy())
+        np.testing.assert_allclose(v1.numpy(), v2.numpy(), rtol=1e-6, atol=1e-6)
+
+    @invariant()
+    def same_size(self):
+        if hasattr(self, "t"):
+            assert int(self.t.size()) == int(self.ref.size())
+
+    def teardown(self):
+        if hasattr(self, "t"):
+            k1, r1 = exported(self.t)
+            k2, r2 = exported(self.ref)
+            assert k1 == k2
+            if k1:
+                np.testing.assert_allclose(r1, r2, rtol=1e-6, atol=1e-6)
+
+
+TableMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+test_table_state_machine = TableMachine.TestCase

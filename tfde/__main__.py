@@ -1,0 +1,5 @@
+import sys
+
+from tfde.cli import main
+
+sys.exit(main())
