@@ -1,0 +1,213 @@
+"""DynamicEmbeddingOptimizer: for every supported optimizer, 20 training
+steps of a tfde embedding give the same touched rows (rtol 1e-5, atol 2e-5)
+as a float64 numpy implementation of that optimizer's lazy update."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfde
+
+pytestmark = pytest.mark.keras
+K = tf.keras.optimizers
+STEPS, DIM, VOCAB, BATCH = 20, 4, 15, 8
+
+
+# ------------------------------------------------------------- numpy reference
+
+def np_update(kind, cfg, w, g, s, lr, t):
+    """One lazy step on touched rows, float64; s: dict of slot arrays (in place)."""
+    if kind == "SGD":
+        mom = cfg.get("momentum", 0.0)
+        if mom == 0.0:
+            return w - lr * g
+        s["momentum"] = mom * s["momentum"] - lr * g
+        return w + mom * s["momentum"] - lr * g if cfg.get("nesterov") else w + s["momentum"]
+    if kind == "Adagrad":
+        s["accumulator"] = s["accumulator"] + g * g
+        return w - lr * g / np.sqrt(s["accumulator"] + cfg.get("epsilon", 1e-7))
+    if kind in ("Adam", "AdamW"):
+        b1, b2, eps = cfg.get("beta_1", 0.9), cfg.get("beta_2", 0.999), cfg.get("epsilon", 1e-7)
+        if kind == "AdamW":
+            w = w - w * cfg.get("weight_decay", 0.004) * lr
+        s["m"] = s["m"] + (g - s["m"]) * (1 - b1)
+        s["v"] = s["v"] + (g * g - s["v"]) * (1 - b2)
+        v = s["v"]
+        if cfg.get("amsgrad"):
+            s["vhat"] = np.maximum(s["vhat"], s["v"])
+            v = s["vhat"]
+        alpha = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        return w - s["m"] * alpha / (np.sqrt(v) + eps)
+    if kind == "RMSprop":
+        rho, eps, mom = cfg.get("rho", 0.9), cfg.get("epsilon", 1e-7), cfg.get("momentum", 0.0)
+        s["velocity"] = rho * s["velocity"] + (1 - rho) * g * g
+        if cfg.get("centered"):
+            s["average_gradient"] = rho * s["average_gradient"] + (1 - rho) * g
+            denom = s["velocity"] - s["average_gradient"] ** 2 + eps
+        else:
+            denom = s["velocity"] + eps
+        inc = lr * g / np.sqrt(denom)
+        if mom > 0:
+            s["momentum"] = mom * s["momentum"] + inc
+            return w - s["momentum"]
+        return w - inc
+    if kind == "Ftrl":
+        p = cfg.get("learning_rate_power", -0.5)
+        l1, l2 = cfg.get("l1_regularization_strength", 0.0), cfg.get("l2_regularization_strength", 0.0)
+        l2 = l2 + cfg.get("beta", 0.0) / (2 * lr)
+        shrink = cfg.get("l2_shrinkage_regularization_strength", 0.0)
+        acc = s["accumulator"]
+        new_acc = acc + g * g
+        s["linear"] = s["linear"] + (g + 2 * shrink * w) - (new_acc ** -p - acc ** -p) / lr * w
+        quad = new_acc ** -p / lr + 2 * l2
+        s["accumulator"] = new_acc
+        return (np.clip(s["linear"], -l1, l1) - s["linear"]) / quad
+    raise AssertionError(kind)
+
+
+def initial_slots(kind, cfg):
+    zero = {"SGD": ["momentum"], "Adam": ["m", "v", "vhat"], "AdamW": ["m", "v", "vhat"],
+            "RMSprop": ["velocity", "momentum", "average_gradient"], "Adagrad": [], "Ftrl": ["linear"]}[kind]
+    out = {n: 0.0 for n in zero}
+    if kind in ("Adagrad", "Ftrl"):
+        out["accumulator"] = cfg.get("initial_accumulator_value", 0.1)
+    return out
+
+
+CASES = [
+    ("SGD", {"learning_rate": 0.1}),
+    ("SGD", {"learning_rate": 0.1, "momentum": 0.9}),
+    ("SGD", {"learning_rate": 0.1, "momentum": 0.9, "nesterov": True}),
+    ("Adagrad", {"learning_rate": 0.1}),
+    ("Adagrad", {"learning_rate": 0.1, "initial_accumulator_value": 0.5, "epsilon": 1e-5}),
+    ("Adam", {"learning_rate": 0.01}),
+    ("Adam", {"learning_rate": 0.01, "amsgrad": True, "beta_1": 0.8}),
+    ("AdamW", {"learning_rate": 0.01, "weight_decay": 0.1}),
+    ("RMSprop", {"learning_rate": 0.01}),
+    ("RMSprop", {"learning_rate": 0.01, "momentum": 0.5, "centered": True}),
+    ("Ftrl", {"learning_rate": 0.1}),
+    ("Ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02,
+              "beta": 0.1, "l2_shrinkage_regularization_strength": 0.01}),
+]
+
+
+def schedule_lr(step):  # ExponentialDecay(0.05, decay_steps=5, decay_rate=0.5)
+    return 0.05 * 0.5 ** (step / 5)
+
+
+def run_tfde(opt, graph: bool, clip=None):
+    var = tfde.Variable("opt", dim=DIM, initializer=tf.keras.initializers.RandomUniform(-1, 1, seed=1))
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, VOCAB, BATCH), rng.standard_normal((BATCH, DIM))) for _ in range(STEPS)]
+    initial = var.lookup(tf.range(VOCAB, dtype=tf.int64)).numpy().astype(np.float64)
+
+    def step(ids, c):
+        with tf.GradientTape() as tape:
+            emb = tfde.embedding_lookup(var, ids, training=True)
+            loss = tf.reduce_sum(emb * c)
+        grads = tape.gradient(loss, [var.step_buffer])
+        opt.apply_gradients(zip(grads, [var.step_buffer]))
+
+    fn = tf.function(step) if graph else step
+    for ids, c in batches:
+        fn(tf.constant(ids, tf.int64), tf.constant(c, tf.float32))
+    return var, batches, initial
+
+
+def run_numpy(kind, cfg, batches, initial, lr_of_step=None, clipnorm=None):
+    rows = {k: initial[k].copy() for k in range(VOCAB)}
+    slots = {}
+    for t, (ids, c) in enumerate(batches):
+        g_by_key = {}
+        for k, row in zip(ids, c):
+            g_by_key[int(k)] = g_by_key.get(int(k), 0.0) + row
+        keys = sorted(g_by_key)
+        g = np.stack([g_by_key[k] for k in keys])
+        if clipnorm is not None:
+            norm = np.linalg.norm(g)
+            g = g * min(1.0, clipnorm / norm)
+        lr = lr_of_step(t) if lr_of_step else cfg["learning_rate"]
+        for i, k in enumerate(keys):
+            s = slots.setdefault(k, {n: np.full(DIM, v) for n, v in initial_slots(kind, cfg).items()})
+            rows[k] = np_update(kind, cfg, rows[k], g[i], s, lr, t + 1)
+    return rows
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("kind,cfg", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)])
+def test_lazy_update_matches_numpy(kind, cfg, graph):
+    opt = tfde.DynamicEmbeddingOptimizer(getattr(K, kind)(**cfg))
+    var, batches, initial = run_tfde(opt, graph)
+    want = run_numpy(kind, cfg, batches, initial)
+    touched = sorted({int(k) for ids, _ in batches for k in ids})
+    got = var.lookup(tf.constant(touched, tf.int64)).numpy()
+    np.testing.assert_allclose(got, np.stack([want[k] for k in touched]), rtol=1e-5, atol=2e-5)
+    assert int(var.size()) == len(touched)
+    for slot in var.slots.values():  # slots hold exactly the touched keys
+        assert sorted(np.concatenate([k.numpy() for k, _ in slot.export()]).tolist()) == touched
+    assert int(opt.iterations) == STEPS
+
+
+def test_learning_rate_schedule_is_honoured():
+    opt = tfde.DynamicEmbeddingOptimizer(K.SGD(K.schedules.ExponentialDecay(0.05, 5, 0.5)))
+    var, batches, initial = run_tfde(opt, graph=True)
+    want = run_numpy("SGD", {}, batches, initial, lr_of_step=schedule_lr)
+    touched = sorted(want)
+    got = var.lookup(tf.constant(touched, tf.int64)).numpy()
+    np.testing.assert_allclose(got, np.stack([want[k] for k in touched]), rtol=1e-5, atol=2e-5)
+
+
+def test_clipnorm_is_honoured():
+    opt = tfde.DynamicEmbeddingOptimizer(K.SGD(0.1, clipnorm=0.5))
+    var, batches, initial = run_tfde(opt, graph=False)
+    want = run_numpy("SGD", {"learning_rate": 0.1}, batches, initial, clipnorm=0.5)
+    got = var.lookup(tf.range(VOCAB, dtype=tf.int64)).numpy()
+    np.testing.assert_allclose(got, np.stack([want[k] for k in range(VOCAB)]), rtol=1e-5, atol=2e-5)
+
+
+def test_unsupported_optimizer_lists_the_supported_ones():
+    with pytest.raises(tfde.UnsupportedOptimizerError, match="SGD, Adagrad, Adam, AdamW, RMSprop, Ftrl"):
+        tfde.DynamicEmbeddingOptimizer(K.Nadam())
+
+
+def test_wrapping_keeps_the_optimizer_object():
+    adam = K.Adam(0.02)
+    opt = tfde.DynamicEmbeddingOptimizer(adam)
+    assert opt is adam and isinstance(opt, K.Adam) and tfde.DynamicEmbeddingOptimizer(opt) is opt
+    assert float(opt.learning_rate) == pytest.approx(0.02)
+
+
+def test_nan_gradients_leave_their_rows_untouched():
+    var = tfde.Variable("nan", dim=2, initializer=1.0)
+    opt = tfde.DynamicEmbeddingOptimizer(K.Adam(0.1))
+    with tf.GradientTape() as tape:
+        emb = tfde.embedding_lookup(var, tf.constant([1, 2], tf.int64), training=True)
+        loss = tf.reduce_sum(emb * tf.constant([[float("nan"), 1.0], [1.0, 1.0]]))
+    opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+    rows = var.lookup(tf.constant([1, 2], tf.int64)).numpy()
+    assert np.all(np.isfinite(rows)) and rows[0].tolist() == [1.0, 1.0] and np.all(rows[1] < 1.0)
+    assert int(var.size()) == 1 and all(int(s.size()) == 1 for s in var.slots.values())
+
+
+def test_same_variable_twice_in_one_step_applies_both_gradients():
+    var = tfde.Variable("twice", dim=2, initializer=0.0)
+    opt = tfde.DynamicEmbeddingOptimizer(K.SGD(1.0))
+    with tf.GradientTape() as tape:
+        a = tfde.embedding_lookup(var, tf.constant([1, 2], tf.int64), training=True)
+        b = tfde.embedding_lookup(var, tf.constant([2, 3], tf.int64), training=True)
+        loss = tf.reduce_sum(a * tf.constant([1.0, 1.0])) + tf.reduce_sum(b * tf.constant([10.0, 10.0]))
+    opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+    rows = var.lookup(tf.constant([1, 2, 3], tf.int64)).numpy()
+    assert rows.tolist() == [[-1.0, -1.0], [-11.0, -11.0], [-10.0, -10.0]]
+
+
+def test_model_without_dense_weights_still_counts_iterations():
+    var = tfde.Variable("only", dim=2)
+    opt = tfde.DynamicEmbeddingOptimizer(K.Adam(0.1))
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tfde.embedding_lookup(var, tf.constant([1], tf.int64), training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+    assert int(opt.iterations) == 3

@@ -1,0 +1,144 @@
+"""tfde.Variable: lookups of any shape, sharding, determinism, write ops."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfde
+from tfde.tables import ReferenceTableCreator
+
+
+def test_docstring_example():
+    v = tfde.Variable("doc", dim=4, initializer=0.0)
+    v.upsert([1, 2], [[1.0] * 4, [2.0] * 4])
+    assert v.lookup([2, 3]).numpy().tolist() == [[2.0] * 4, [0.0] * 4]
+
+
+@pytest.mark.parametrize("shape", [[], [5], [2, 3], [2, 1, 4]])
+def test_lookup_shape_is_ids_shape_plus_dim(shape, creator):
+    v = tfde.Variable("shape", dim=3, table_creator=creator)
+    ids = tf.reshape(tf.range(int(np.prod(shape)), dtype=tf.int64), shape)
+    out, exists = v.lookup(ids, return_exists=True)
+    assert out.shape == shape + [3] and exists.shape == shape
+
+
+def test_lookups_never_insert(creator):
+    v = tfde.Variable("never", dim=2, table_creator=creator)
+    v.lookup(tf.range(50, dtype=tf.int64))
+    tfde.embedding_lookup(v, tf.range(50, dtype=tf.int64), training=False)
+    assert int(v.size()) == 0
+
+
+def test_initial_rows_are_deterministic_per_key_and_seed():
+    a = tfde.Variable("a", dim=8, initializer=tf.keras.initializers.RandomNormal(seed=3))
+    b = tfde.Variable("b", dim=8, initializer=tf.keras.initializers.RandomNormal(seed=3))
+    c = tfde.Variable("c", dim=8, initializer=tf.keras.initializers.RandomNormal(seed=4))
+    keys = tf.constant([5, 1, 99], tf.int64)
+    np.testing.assert_array_equal(a.lookup(keys), b.lookup(keys))
+    np.testing.assert_array_equal(a.lookup(keys)[0], a.lookup(tf.constant([5], tf.int64))[0])
+    assert not np.allclose(a.lookup(keys), c.lookup(keys))
+
+
+def test_initial_rows_agree_across_processes():
+    code = ("import tfde, tensorflow as tf; v = tfde.Variable('user', dim=4); "
+            "print(v.lookup(tf.constant([12345], tf.int64)).numpy().tobytes().hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+            for _ in range(2)}
+    assert len(outs) == 1
+
+
+@pytest.mark.parametrize("init,check", [
+    (0.5, lambda r: np.all(r == 0.5)),
+    ("zeros", lambda r: np.all(r == 0)),
+    (tf.random_uniform_initializer(-0.1, 0.1), lambda r: r.min() >= -0.1 and r.max() < 0.1),
+    (tf.keras.initializers.TruncatedNormal(stddev=0.01), lambda r: np.abs(r).max() <= 0.02 + 1e-7),
+    (tf.keras.initializers.GlorotUniform(), lambda r: np.abs(r).max() <= np.sqrt(6 / 16)),
+    (tfde.initializers.PerKey(lambda k: tf.cast(k, tf.float32)[:, None] * tf.ones([1, 8])),
+     lambda r: r[3, 0] == 3.0),
+])
+def test_initializers(init, check):
+    v = tfde.Variable("init", dim=8, initializer=init)
+    assert check(v.lookup(tf.range(200, dtype=tf.int64)).numpy())
+
+
+def test_unsupported_initializer_names_the_options():
+    with pytest.raises(tfde.ConfigError, match="Zeros, Ones, Constant"):
+        tfde.Variable("bad", dim=2, initializer=tf.keras.initializers.Orthogonal())
+
+
+def test_sharded_equals_unsharded(creator, rng):
+    one = tfde.Variable("s1", dim=3, num_shards=1, table_creator=creator)
+    many = tfde.Variable("s1", dim=3, num_shards=4, table_creator=creator)
+    keys = tf.constant(rng.integers(0, 1000, 300), tf.int64)
+    vals = tf.constant(rng.standard_normal((300, 3)), tf.float32)
+    for v in (one, many):
+        v.upsert(keys, vals)
+        v.accum(keys[:50], vals[:50])
+        v.remove(keys[100:120])
+    probe = tf.range(1000, dtype=tf.int64)
+    np.testing.assert_allclose(one.lookup(probe), many.lookup(probe), rtol=1e-6)
+    assert int(one.size()) == int(many.size())
+    sizes = [int(t.size()) for t in many.tables]
+    assert min(sizes) > 0, sizes  # keys spread over every shard
+
+
+def test_write_ops(creator):
+    v = tfde.Variable("ops", dim=2, initializer=1.0, table_creator=creator)
+    v.upsert(tf.constant([[1, 2], [3, 4]], tf.int64), tf.ones([2, 2, 2]) * 5)
+    assert int(v.size()) == 4
+    v.accum(tf.constant([1, 9], tf.int64), tf.ones([2, 2]))
+    assert v.lookup(tf.constant([1, 9], tf.int64)).numpy().tolist() == [[6, 6], [2, 2]]
+    assert int(v.remove(tf.constant([1, 2, 77], tf.int64))) == 2
+    keys = sorted(np.concatenate([k.numpy() for k, _ in v.export()]).tolist())
+    assert keys == [3, 4, 9]
+    v.import_(tf.constant([100], tf.int64), tf.zeros([1, 2]), replace=True)
+    assert int(v.size()) == 1
+    v.clear()
+    assert int(v.size()) == 0
+
+
+def test_string_keys(creator):
+    v = tfde.Variable("str", key_dtype=tf.string, dim=2, initializer=0.0, table_creator=creator)
+    v.upsert(tf.constant(["a", "bb"]), tf.constant([[1.0, 1.0], [2.0, 2.0]]))
+    out, exists = v.lookup(tf.constant([["bb"], ["zz"]]), return_exists=True)
+    assert out.numpy().tolist() == [[[2, 2]], [[0, 0]]] and exists.numpy().tolist() == [[True], [False]]
+
+
+def test_bad_inputs_are_clear_and_lose_nothing():
+    v = tfde.Variable("bad", dim=4)
+    v.upsert(tf.constant([1], tf.int64), tf.ones([1, 4]))
+    with pytest.raises(tfde.ShapeError, match="rows of dim 4"):
+        v.upsert(tf.constant([2], tf.int64), tf.ones([1, 5]))
+    with pytest.raises(tfde.ShapeError, match="are string, expected int64"):
+        v.lookup(tf.constant(["x"]))
+    with pytest.raises(tfde.ShapeError, match="2 keys but 3 rows"):
+        v.upsert(tf.constant([2, 3], tf.int64), tf.ones([3, 4]))
+    with pytest.raises(tfde.ConfigError, match="num_shards must be an int >= 1"):
+        tfde.Variable("x", dim=2, num_shards=0)
+    with pytest.raises(tfde.ConfigError, match="dim must be"):
+        tfde.Variable("x", dim=-1)
+    assert int(v.size()) == 1 and v.lookup(tf.constant([1], tf.int64)).numpy().tolist() == [[1.0] * 4]
+
+
+def test_get_variable_and_repr():
+    v = tfde.get_variable("gv", key_dtype=tf.int32, dim=2, initializer=0.0)
+    assert v.key_dtype == tf.int32 and "gv" in repr(v)
+
+
+def test_restrict_policy_hook_sees_every_training_update():
+    class Recorder(tfde.RestrictPolicy):
+        def __init__(self, variable=None):
+            self.seen = []
+
+        def on_apply(self, keys):
+            self.seen.append(sorted(keys.numpy().tolist()))
+
+    v = tfde.Variable("policy", dim=2, restrict_policy=Recorder)
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tfde.embedding_lookup(v, tf.constant([3, 1, 3], tf.int64), training=True))
+    opt.apply_gradients(zip(tape.gradient(loss, [v.step_buffer]), [v.step_buffer]))
+    assert v.restrict_policy.variable is v and v.restrict_policy.seen == [[1, 3]]
