@@ -132,7 +132,11 @@ class Embedding(_keras.layers.Layer):
         if isinstance(ids, tf.RaggedTensor):
             return embedding_lookup_ragged(self.params, ids, combiner=combiner or "mean", training=training)
         ids = tf.convert_to_tensor(ids)
-        if ids.dtype != self.key_dtype and ids.dtype.is_integer and self.key_dtype.is_integer:
+        if ids.dtype != self.key_dtype and self.key_dtype.is_integer and (ids.dtype.is_integer or
+                                                                          ids.dtype.is_floating):
+            # Like keras.layers.Embedding: Keras builds models on float
+            # placeholders unless told otherwise, so integral ids may arrive
+            # as floats.  String tables get no such cast (and a clear error).
             ids = tf.cast(ids, self.key_dtype)
         rows = embedding_lookup(self.params, ids, training=training)
         if combiner is None:

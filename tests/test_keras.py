@@ -1,0 +1,177 @@
+"""Keras layers under Keras 3 and tf-keras: Sequential + model.fit, eager vs
+tf.function vs model.fit, parity with tf.keras.layers.Embedding, configs."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfde
+
+pytestmark = pytest.mark.keras
+
+
+def test_issue_snippet_string_keys_sequential_fit():
+    user = tf.keras.Sequential([
+        tfde.keras.layers.Embedding(embedding_size=64, key_dtype=tf.string,
+                                    initializer=tf.random_uniform_initializer(), name="user-embedding"),
+        tf.keras.layers.Dense(32)])
+    model = user
+    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam()), loss="mse")
+    ids = tf.constant(["alice", "bob", "carol", "alice", "dave", "bob"])
+    targets = tf.constant(np.random.default_rng(0).standard_normal((6, 32)), tf.float32)
+    ds = tf.data.Dataset.from_tensor_slices((ids, targets)).batch(3)
+    history = model.fit(ds, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    emb = user.layers[0]
+    assert int(emb.params.size()) == 4
+    assert {int(s.size()) for s in emb.params.slots.values()} == {4}
+    assert model.predict(ids, verbose=0).shape == (6, 32)
+
+
+def test_nested_sequential_with_string_input():
+    # Keras 3 gives a Sequential without an Input the float dtype of its
+    # first layer when that layer is itself a model: declare the input.
+    user = tf.keras.Sequential([tfde.keras.layers.Embedding(8, key_dtype=tf.string, name="nested"),
+                                tf.keras.layers.Dense(4)])
+    model = tf.keras.Sequential([tf.keras.Input(shape=(), dtype=tf.string), user, tf.keras.layers.Dense(1)])
+    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.1)), loss="mse")
+    ids = tf.constant(["a", "b", "c", "a"])
+    history = model.fit(ids, tf.constant([1.0, 0, 1, 1]), batch_size=2, epochs=4, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def test_int64_keys_with_combiner_fit():
+    model = tf.keras.Sequential([
+        tfde.keras.layers.Embedding(8, key_dtype=tf.int64, combiner="mean", name="bag"),
+        tf.keras.layers.Dense(1)])
+    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adagrad(0.5)), loss="mse")
+    x = tf.constant(np.random.default_rng(0).integers(0, 100, (64, 5)), tf.int64)
+    y = tf.cast(tf.reduce_sum(x % 2, axis=1, keepdims=True), tf.float32)
+    history = model.fit(x, y, batch_size=16, epochs=5, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert model(x[:2]).shape == (2, 1)
+
+
+def _build(seed_name):
+    model = tf.keras.Sequential([
+        tfde.keras.layers.Embedding(4, seed=7, name=f"emb_{seed_name}"),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(1, kernel_initializer="ones", name=f"dense_{seed_name}")])
+    model.build((None, 2))
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(3)
+    xs = [tf.constant(rng.integers(0, 20, (6, 2)), tf.int64) for _ in range(5)]
+    ys = [tf.constant(rng.standard_normal((6, 1)), tf.float32) for _ in range(5)]
+    return xs, ys
+
+
+def _final_state(model):
+    rows = model.layers[0].params.lookup(tf.range(20, dtype=tf.int64)).numpy()
+    return rows, model.layers[-1].kernel.numpy()
+
+
+def test_eager_function_and_fit_agree():
+    xs, ys = _data()
+    loss_fn = tf.keras.losses.MeanSquaredError()
+    results = {}
+    for mode in ("eager", "function", "fit"):
+        model = _build(mode)
+        opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.05))
+        if mode == "fit":
+            model.compile(optimizer=opt, loss=loss_fn)
+            ds = tf.data.Dataset.from_tensor_slices((tf.concat(xs, 0), tf.concat(ys, 0))).batch(6)
+            model.fit(ds, epochs=1, shuffle=False, verbose=0)
+        else:
+            def step(x, y, model=model, opt=opt):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, model(x, training=True))
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+            fn = tf.function(step) if mode == "function" else step
+            for x, y in zip(xs, ys):
+                fn(x, y)
+        results[mode] = _final_state(model)
+    for mode in ("function", "fit"):
+        np.testing.assert_allclose(results[mode][0], results["eager"][0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(results[mode][1], results["eager"][1], rtol=1e-5, atol=1e-6)
+
+
+def test_dense_part_matches_keras_embedding_when_every_row_is_touched():
+    vocab, dim = 6, 4
+    tfde_emb = tfde.keras.layers.Embedding(dim, seed=11, name="tfde_all")
+    initial = tfde_emb.params.lookup(tf.range(vocab, dtype=tf.int64)).numpy()
+    keras_emb = tf.keras.layers.Embedding(vocab, dim, name="keras_all")
+    keras_emb.build((None,))
+    keras_emb.set_weights([initial])
+    models = []
+    for emb in (tfde_emb, keras_emb):
+        m = tf.keras.Sequential([emb, tf.keras.layers.Dense(1, kernel_initializer="glorot_uniform")])
+        m.build((None,))
+        models.append(m)
+    models[1].layers[1].set_weights(models[0].layers[1].get_weights())
+    opts = [tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), tf.keras.optimizers.Adam(0.05)]
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        # Every row exactly once per step: lazy == dense, and Keras's own
+        # sparse Adam (which squares IndexedSlices per duplicate) is exact.
+        x = tf.constant(rng.permutation(vocab), tf.int64)
+        y = tf.constant(rng.standard_normal((vocab, 1)), tf.float32)
+        for m, opt in zip(models, opts):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((m(x, training=True) - y) ** 2)
+            grads = tape.gradient(loss, m.trainable_variables)
+            opt.apply_gradients(zip(grads, m.trainable_variables))
+    np.testing.assert_allclose(tfde_emb.params.lookup(tf.range(vocab, dtype=tf.int64)).numpy(),
+                               keras_emb.get_weights()[0], rtol=1e-5, atol=2e-5)
+    for a, b in zip(models[0].layers[1].get_weights(), models[1].layers[1].get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
+
+
+def test_same_layer_twice_in_a_model_trains_both_calls():
+    emb = tfde.keras.layers.Embedding(2, initializer=0.0, name="shared")
+    a = tf.keras.Input(shape=(), dtype=tf.int64, name="a")
+    b = tf.keras.Input(shape=(), dtype=tf.int64, name="b")
+    out = tf.keras.layers.Add()([emb(a), emb(b)])
+    model = tf.keras.Model([a, b], out)
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(1.0))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model([tf.constant([1], tf.int64), tf.constant([2], tf.int64)], training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    assert emb.params.lookup(tf.constant([1, 2], tf.int64)).numpy().tolist() == [[-1, -1], [-1, -1]]
+
+
+def test_output_shapes_and_squashed():
+    emb = tfde.keras.layers.Embedding(3, initializer=1.0)
+    assert emb(tf.zeros([2, 5, 4], tf.int64)).shape == (2, 5, 4, 3)
+    sq = tfde.keras.layers.SquashedEmbedding(4, initializer=1.0)
+    assert sq(tf.constant([[1, 2, 3]], tf.int64)).numpy().tolist() == [[3.0, 3.0, 3.0, 3.0]]
+    assert sq(tf.zeros([2, 3, 5], tf.int64)).shape == (2, 4)
+    ragged = tfde.keras.layers.Embedding(2, initializer=1.0, combiner="sum")
+    assert ragged(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)).numpy().tolist() == [[2, 2], [1, 1]]
+
+
+def test_get_config_round_trip():
+    layer = tfde.keras.layers.Embedding(5, key_dtype=tf.string, initializer=tf.keras.initializers.RandomNormal(
+        stddev=0.3, seed=2), combiner="sum", num_shards=2, seed=9, name="cfg",
+        table_creator=tfde.CuckooTableCreator(expected_rows=100))
+    clone = tfde.keras.layers.Embedding.from_config(layer.get_config())
+    assert (clone.embedding_size, clone.key_dtype, clone.combiner, clone.num_shards, clone.seed) == \
+        (5, tf.string, "sum", 2, 9)
+    ids = tf.constant([["a", "b"]])
+    np.testing.assert_array_equal(layer(ids, training=False), clone(ids, training=False))
+    sq = tfde.keras.layers.SquashedEmbedding.from_config(tfde.keras.layers.SquashedEmbedding(3).get_config())
+    assert sq.combiner == "sum"
+
+
+def test_bad_layer_arguments():
+    with pytest.raises(tfde.ConfigError, match="combiner must be None or one of"):
+        tfde.keras.layers.Embedding(3, combiner="max")
+    with pytest.raises(tfde.ConfigError, match="SquashedEmbedding needs a combiner"):
+        tfde.keras.layers.SquashedEmbedding(3, combiner=None)
+    layer = tfde.keras.layers.Embedding(3, key_dtype=tf.int64)
+    with pytest.raises(Exception, match="are string, expected int64"):
+        layer(tf.constant(["x"]))
