@@ -14,11 +14,12 @@
 //
 // Thread safety
 //   Every public member may be called concurrently from any thread.  Batch
-//   operations sort their keys by shard, then hold each shard's lock once
-//   (shared for reads, exclusive for writes) while they work on it; several
-//   shards are processed in parallel through the ParallelFor the caller
-//   provides.  Keys of one batch that land in one shard are processed in
-//   batch order, so duplicates behave as if applied one after another.
+//   writes sort their keys by shard, then hold each shard's exclusive lock
+//   once while they work on it; several shards are processed in parallel
+//   through the ParallelFor the caller provides.  Keys of one batch that land
+//   in one shard are processed in batch order, so duplicates behave as if
+//   applied one after another.  Batch reads split the keys into ranges; each
+//   worker holds every shard's lock shared for the duration of its range.
 #ifndef TFDE_BACKENDS_CUCKOO_CUCKOO_TABLE_H_
 #define TFDE_BACKENDS_CUCKOO_CUCKOO_TABLE_H_
 
@@ -86,8 +87,7 @@ constexpr int kNumShards = 1 << kShardBits;
 constexpr double kMaxLoadFactor = 0.90;     // grow a shard before it gets fuller
 constexpr int kMaxKicks = 256;              // random-walk length before a forced grow
 constexpr int64_t kMinBucketsPerShard = 4;  // 16 slots: an empty table is small
-constexpr int64_t kFirstChunkRows = 64;     // arena chunk c holds 64 << c rows
-constexpr int kFirstChunkLog2 = 6;
+constexpr int kFirstChunkLog2 = 6;          // an unsized shard's first chunk: 64 rows
 constexpr uint32_t kEmptyRow = 0xFFFFFFFFu;
 constexpr int64_t kMaxRowsPerShard = 0xFFFFFFF0LL;  // row ids are uint32
 constexpr int kPrefetchDistance = 8;        // keys ahead whose buckets are prefetched
@@ -113,7 +113,8 @@ class CuckooShard {
   explicit CuckooShard(int64_t row_value_bytes, int64_t expected_rows)
       : value_bytes_(row_value_bytes),
         key_bytes_(Traits::kInline ? 8 : 0),
-        stride_(RoundUp8(key_bytes_ + row_value_bytes)) {
+        stride_(RoundUp8(key_bytes_ + row_value_bytes)),
+        first_chunk_log2_(FirstChunkLog2(expected_rows)) {
     InitBuckets(BucketsFor(expected_rows));
   }
   ~CuckooShard() { FreeChunks(); }
@@ -134,6 +135,7 @@ class CuckooShard {
     }
   }
 
+  // Brings the primary bucket of a key into cache ahead of its probe.
   void Prefetch(uint64_t ih) const {
     __builtin_prefetch(&buckets_[ih & mask_]);
   }
@@ -202,7 +204,7 @@ class CuckooShard {
   int64_t MemoryBytes() const {
     int64_t bytes = static_cast<int64_t>(buckets_.capacity() * sizeof(Bucket)) +
                     static_cast<int64_t>(live_.capacity() * 8 + free_rows_.capacity() * 4);
-    for (size_t c = 0; c < chunks_.size(); ++c) bytes += (kFirstChunkRows << c) * stride_;
+    for (size_t c = 0; c < chunks_.size(); ++c) bytes += (int64_t{1} << (first_chunk_log2_ + c)) * stride_;
     if constexpr (!Traits::kInline) {
       bytes += side_keys_.capacity() * sizeof(std::string);
       for (const auto& k : side_keys_) bytes += k.capacity() > 15 ? k.capacity() : 0;
@@ -217,6 +219,13 @@ class CuckooShard {
   };
 
   static int64_t RoundUp8(int64_t x) { return (x + 7) & ~int64_t{7}; }
+  // A shard sized for `expected_rows` gets them all in its first arena chunk
+  // (one allocation, huge pages when big); otherwise chunks start small.
+  static int FirstChunkLog2(int64_t expected_rows) {
+    int log2 = kFirstChunkLog2;
+    while (log2 < 30 && (int64_t{1} << log2) < expected_rows) ++log2;
+    return log2;
+  }
   static int64_t BucketsFor(int64_t rows) {
     int64_t b = kMinBucketsPerShard;
     while (static_cast<double>(b) * kSlotsPerBucket * kMaxLoadFactor < static_cast<double>(rows))
@@ -309,9 +318,9 @@ class CuckooShard {
   }
 
   char* RowPtr(int64_t row) const {
-    const uint64_t q = static_cast<uint64_t>(row) + kFirstChunkRows;
-    const int c = 63 - __builtin_clzll(q) - kFirstChunkLog2;
-    const int64_t off = static_cast<int64_t>(q - (static_cast<uint64_t>(kFirstChunkRows) << c));
+    const uint64_t q = static_cast<uint64_t>(row) + (uint64_t{1} << first_chunk_log2_);
+    const int c = 63 - __builtin_clzll(q) - first_chunk_log2_;
+    const int64_t off = static_cast<int64_t>(q - (uint64_t{1} << (first_chunk_log2_ + c)));
     return chunks_[c] + off * stride_;
   }
 
@@ -325,12 +334,12 @@ class CuckooShard {
         throw CapacityError("a cuckoo shard is full (" + std::to_string(next_row_) +
                             " rows); spread the table over more shards (num_shards=)");
       row = static_cast<uint32_t>(next_row_++);
-      const uint64_t q = static_cast<uint64_t>(row) + kFirstChunkRows;
-      const size_t c = static_cast<size_t>(63 - __builtin_clzll(q) - kFirstChunkLog2);
+      const uint64_t q = static_cast<uint64_t>(row) + (uint64_t{1} << first_chunk_log2_);
+      const size_t c = static_cast<size_t>(63 - __builtin_clzll(q) - first_chunk_log2_);
       if (c >= chunks_.size()) {
         // malloc, not new[](): pages of a fresh chunk are not touched until
         // rows are written, so a big new chunk costs address space, not RSS.
-        char* mem = AllocateChunk((kFirstChunkRows << c) * stride_);
+        char* mem = AllocateChunk((int64_t{1} << (first_chunk_log2_ + c)) * stride_);
         chunks_.push_back(mem);
       }
       if ((row >> 6) >= live_.size()) live_.push_back(0);
@@ -379,9 +388,10 @@ class CuckooShard {
   const int64_t value_bytes_;  // bytes of one value row; fixed for the table's life
   const int64_t key_bytes_;    // 8 when the key is stored inline, else 0
   const int64_t stride_;       // bytes between consecutive rows in a chunk
+  const int first_chunk_log2_; // arena chunk c holds 2^(first_chunk_log2_ + c) rows
   std::vector<Bucket> buckets_;  // size is a power of two; mask_ = size - 1
   int64_t mask_ = 0;
-  std::vector<char*> chunks_;      // chunk c: kFirstChunkRows << c rows
+  std::vector<char*> chunks_;      // chunk c: 2^(first_chunk_log2_ + c) rows
   std::vector<std::string> side_keys_;  // non-inline keys, indexed by row id
   std::vector<uint64_t> live_;     // bit per row id: 1 while the row holds a key
   std::vector<uint32_t> free_rows_;  // removed row ids, reused first
@@ -406,30 +416,41 @@ class CuckooTable {
   int64_t value_bytes() const { return value_bytes_; }
 
   // For each key i: on_hit(i, const char* row) when present, else
-  // on_miss(i, stable_hash).  Callbacks for different shards run
-  // concurrently; each writes only its own output position i.
+  // on_miss(i, stable_hash).  Callbacks for different keys run concurrently;
+  // each writes only its own output position i.
+  //
+  // Reads need no shard grouping: each worker takes every shard's lock
+  // shared once, then walks its range of keys in batch order (so outputs are
+  // written sequentially) with a software pipeline that hashes and
+  // prefetches the bucket of the key kPrefetchDistance positions ahead.
   template <class OnHit, class OnMiss>
   void Find(const View* keys, int64_t n, const ParallelFor& pfor, OnHit on_hit, OnMiss on_miss) const {
-    Batch batch = Partition(keys, n);
     FirstError error;
-    pfor(kNumShards, CostPerShard(n, 60), [&](int64_t begin, int64_t end) {
+    pfor(n, 70, [&](int64_t begin, int64_t end) {
       error.Run([&] {
-      for (int64_t s = begin; s < end; ++s) {
-        const Slot& slot = shards_[s];
-        std::shared_lock<std::shared_mutex> lock(slot.mu);
-        const CuckooShard<K>& sh = *slot.shard;
-        const uint32_t lo = batch.offsets[s], hi = batch.offsets[s + 1];
-        for (uint32_t p = lo; p < hi; ++p) {
-          if (p + kPrefetchDistance < hi) sh.Prefetch(batch.ihash[batch.order[p + kPrefetchDistance]]);
-          const uint32_t i = batch.order[p];
-          const uint32_t row = sh.Lookup(keys[i], batch.ihash[i]);
+        std::shared_lock<std::shared_mutex> locks[kNumShards];
+        for (int s = 0; s < kNumShards; ++s) locks[s] = std::shared_lock<std::shared_mutex>(shards_[s].mu);
+        constexpr int64_t kAhead = kPrefetchDistance;
+        uint64_t stable[kAhead], ih[kAhead];
+        auto stage = [&](int64_t i) {
+          const int64_t r = i % kAhead;
+          stable[r] = StableHash(keys[i]);
+          ih[r] = InternalHash(stable[r]);
+          shards_[ShardIndex(ih[r])].shard->Prefetch(ih[r]);
+        };
+        for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) stage(i);
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t r = i % kAhead;
+          const uint64_t h = ih[r], st = stable[r];
+          if (i + kAhead < end) stage(i + kAhead);
+          const CuckooShard<K>& sh = *shards_[ShardIndex(h)].shard;
+          const uint32_t row = sh.Lookup(keys[i], h);
           if (row != kEmptyRow) {
             on_hit(i, sh.value_at(row));
           } else {
-            on_miss(i, batch.stable[i]);
+            on_miss(i, st);
           }
         }
-      }
       });
     });
     error.Rethrow();
