@@ -150,7 +150,7 @@ class Variable(tf.Module):
                 found.append(table.find(keys[i], shard_missing))
             values = tf.dynamic_stitch(pos, [f[0] for f in found])
             exists = tf.dynamic_stitch(pos, [f[1] for f in found])
-        values = tf.ensure_shape(values, [None, self.dim])
+        values.set_shape([None, self.dim])
         return values, exists
 
     def _rows_arg(self, values, n_keys_shape, what="values"):
@@ -179,6 +179,9 @@ class Variable(tf.Module):
         With return_exists=True also returns a bool tensor of keys.shape
         telling which keys are stored."""
         keys = tf.convert_to_tensor(keys, dtype_hint=self.key_dtype) if not tf.is_tensor(keys) else keys
+        if keys.shape.rank == 1:  # the common case needs no reshapes
+            values, exists = self._find(self._keys(keys))
+            return (values, exists) if return_exists else values
         shape = tf.shape(keys)
         flat = self._keys(tf.reshape(keys, [-1]))
         values, exists = self._find(flat)
