@@ -8,9 +8,13 @@ gather of the same rows from a dense array (the memory-bandwidth ceiling of
 find) and memory per stored row (RSS growth and the table's own count)
 against the raw key+value bytes.
 
-  python -m benchmarks.table_bench [--dim 64] [--n 1000000] [--batch 4096] [--no-tfra]
+  python -m benchmarks.table_bench [--dim 64] [--n 1000000] [--batch 4096] [--rounds 3] [--no-tfra]
 
-Prints the machine, versions and git hash, a side-by-side table, and writes
+The two systems run alternately, each round in fresh processes (TFRA, then
+tfde, then TFRA, ...), and each figure is the median over rounds: on a
+shared VM the speed of the host drifts by tens of percent within minutes,
+and alternating keeps that drift from favouring either side.  Prints the
+machine, versions and git hash, a side-by-side table, and writes
 benchmarks/results/table-<timestamp>.json.
 """
 
@@ -148,6 +152,23 @@ def bench_tfra(n: int, dim: int, batch: int, python: str, script: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def tfde_round(n: int, dim: int, batch: int) -> dict:
+    """One tfde round in a fresh process, like the TFRA side."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.table_bench", "--tfde-round", "--n", str(n),
+                           "--dim", str(dim), "--batch", str(batch)], capture_output=True, text=True,
+                          cwd=HERE.parent, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tfde round failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def medians(rounds: list) -> dict:
+    if not rounds:
+        return {}
+    return {k: statistics.median(r[k] for r in rounds) for k, v in rounds[0].items()
+            if isinstance(v, (int, float))}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=int(os.environ.get("DIM", 64)))
@@ -157,21 +178,30 @@ def main(argv=None) -> int:
         "TFRA_PYTHON", str(Path.home() / ".cache/tfde-anchors/tfra/bin/python")))
     p.add_argument("--tfra-script", default=str(HERE.parent.parent / "shared/anchors/tfra_table_bench.py"))
     p.add_argument("--no-tfra", action="store_true", help="measure tfde only")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; figures are medians over them")
+    p.add_argument("--tfde-round", action="store_true", help=argparse.SUPPRESS)  # one tfde round, JSON out
     args = p.parse_args(argv)
+    if args.tfde_round:
+        print(json.dumps(bench_tfde(args.n, args.dim, args.batch)))
+        return 0
 
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores; python {info['python']}, TF {info['tf']}, "
           f"tfde git {info['git']}")
     print(f"table: int64 keys, float32 rows, dim {args.dim}, {args.n:,} keys, batch {args.batch}; "
-          f"median of {REPEATS} after a warm-up")
-    tfra = {}
-    if not args.no_tfra:
-        if not Path(args.tfra_python).exists():
-            print(f"TFRA venv missing ({args.tfra_python}); run ../shared/anchors/setup-tfra.sh or pass --no-tfra",
-                  file=sys.stderr)
-            return 2
-        tfra = bench_tfra(args.n, args.dim, args.batch, args.tfra_python, Path(args.tfra_script))
-    ours = bench_tfde(args.n, args.dim, args.batch)
+          f"median of {REPEATS} after a warm-up, then median over {args.rounds} alternating rounds")
+    if not args.no_tfra and not Path(args.tfra_python).exists():
+        print(f"TFRA venv missing ({args.tfra_python}); run ../shared/anchors/setup-tfra.sh or pass --no-tfra",
+              file=sys.stderr)
+        return 2
+    tfra_rounds, our_rounds = [], []
+    for r in range(args.rounds):
+        if not args.no_tfra:
+            tfra_rounds.append(bench_tfra(args.n, args.dim, args.batch, args.tfra_python, Path(args.tfra_script)))
+        our_rounds.append(tfde_round(args.n, args.dim, args.batch))
+        print(f"round {r + 1}/{args.rounds}: find_hit tfde {our_rounds[-1]['find_hit']:,.0f}"
+              + (f", TFRA {tfra_rounds[-1]['find_hit']:,.0f}" if tfra_rounds else "") + " keys/s", flush=True)
+    ours, tfra = medians(our_rounds), medians(tfra_rounds)
 
     print(f"\n{'operation':<24}{'tfde keys/s':>16}{'TFRA keys/s':>16}{'ratio':>8}")
     for op in ("insert_new", "insert_existing", "find_hit", "find_miss", "find_batch4096", "accum_existing",
@@ -191,7 +221,8 @@ def main(argv=None) -> int:
     results.mkdir(exist_ok=True)
     path = results / f"table-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"machine": info, "dim": args.dim, "n": args.n, "batch": args.batch,
-                                "tfde": ours, "tfra": tfra}, indent=1))
+                                "rounds": args.rounds, "tfde": ours, "tfra": tfra,
+                                "tfde_rounds": our_rounds, "tfra_rounds": tfra_rounds}, indent=1))
     print(f"\nwritten: {path.relative_to(HERE.parent)}")
     return 0
 

@@ -14,12 +14,12 @@
 //
 // Thread safety
 //   Every public member may be called concurrently from any thread.  Batch
-//   writes sort their keys by shard, then hold each shard's exclusive lock
-//   once while they work on it; several shards are processed in parallel
-//   through the ParallelFor the caller provides.  Keys of one batch that land
-//   in one shard are processed in batch order, so duplicates behave as if
-//   applied one after another.  Batch reads split the keys into ranges; each
-//   worker holds every shard's lock shared for the duration of its range.
+//   writes split the shards into groups, one per worker of the ParallelFor
+//   the caller provides; a worker holds its group's exclusive locks while it
+//   walks the batch and handles the keys of its shards in batch order, so
+//   duplicates behave as if applied one after another.  Batch reads split
+//   the keys into ranges; each worker holds every shard's lock shared for
+//   the duration of its range.
 #ifndef TFDE_BACKENDS_CUCKOO_CUCKOO_TABLE_H_
 #define TFDE_BACKENDS_CUCKOO_CUCKOO_TABLE_H_
 
@@ -36,6 +36,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -91,6 +92,9 @@ constexpr int kFirstChunkLog2 = 6;          // an unsized shard's first chunk: 6
 constexpr uint32_t kEmptyRow = 0xFFFFFFFFu;
 constexpr int64_t kMaxRowsPerShard = 0xFFFFFFF0LL;  // row ids are uint32
 constexpr int kPrefetchDistance = 8;        // keys ahead whose buckets are prefetched
+constexpr int64_t kMinKeysPerGroup = 4096;  // a write batch uses one worker per this many keys...
+constexpr int64_t kMaxGroups = 16;          // ...and at most this many workers
+constexpr int64_t kMaxBatch = 0xFFFFFFF0LL; // key indices are uint32 inside a batch
 constexpr int64_t kHugePageBytes = 2 << 20;
 // Arena chunks at least this big use transparent huge pages.  Below it the
 // RSS slack of a partly used huge page would matter more than the faults saved.
@@ -460,31 +464,42 @@ class CuckooTable {
   // bool created, stable_hash); a created row holds garbage until written.
   template <class Update>
   void Upsert(const View* keys, int64_t n, const ParallelFor& pfor, Update update) {
-    Batch batch = Partition(keys, n);
+    std::vector<uint64_t> stable, ih;
+    HashAll(keys, n, pfor, &stable, &ih);
     std::atomic<int64_t> added{0};
-    RunExclusive(batch, n, pfor, [&](CuckooShard<K>& sh, uint32_t lo, uint32_t hi) {
-      // Pass 1 updates the keys already present and counts the others, so
-      // pass 2 can grow the shard once instead of doubling repeatedly.
-      // Keys of one shard keep their batch order within each pass; a key
-      // that is new appears only in pass 2, so its duplicates stay ordered.
+    RunByShardGroups(ih, n, pfor, [&](auto owns) {
+      // Pass 1 updates the keys already present and collects the others, so
+      // pass 2 can grow each shard once instead of doubling repeatedly.  A
+      // new key appears only in pass 2, so its duplicates stay in order.
       std::vector<uint32_t> fresh;
-      for (uint32_t p = lo; p < hi; ++p) {
-        if (p + kPrefetchDistance < hi) sh.Prefetch(batch.ihash[batch.order[p + kPrefetchDistance]]);
-        const uint32_t i = batch.order[p];
-        const uint32_t row = sh.Lookup(keys[i], batch.ihash[i]);
+      int64_t fresh_in[kNumShards] = {0};
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t ahead = i + 2 * kPrefetchDistance;
+        if (ahead < n && owns(ahead)) ShardOf(ih[ahead]).Prefetch(ih[ahead]);
+        if (!owns(i)) continue;
+        CuckooShard<K>& sh = ShardOf(ih[i]);
+        const uint32_t row = sh.Lookup(keys[i], ih[i]);
         if (row != kEmptyRow) {
-          update(i, sh.value_at(row), false, batch.stable[i]);
+          update(i, sh.value_at(row), false, stable[i]);
         } else {
-          fresh.push_back(i);
+          fresh.push_back(static_cast<uint32_t>(i));
+          ++fresh_in[ShardIndex(ih[i])];
         }
       }
       if (fresh.empty()) return;
-      sh.Reserve(sh.size() + static_cast<int64_t>(fresh.size()));
+      for (int s = 0; s < kNumShards; ++s)
+        if (fresh_in[s] > 0) shards_[s].shard->Reserve(shards_[s].shard->size() + fresh_in[s]);
       int64_t created_here = 0;
-      for (uint32_t i : fresh) {
+      for (size_t f = 0; f < fresh.size(); ++f) {
+        if (f + kPrefetchDistance < fresh.size()) {
+          const uint64_t h = ih[fresh[f + kPrefetchDistance]];
+          ShardOf(h).Prefetch(h);
+        }
+        const uint32_t i = fresh[f];
         bool created = false;
-        const uint32_t row = sh.FindOrInsert(keys[i], batch.ihash[i], &created);
-        update(i, sh.value_at(row), created, batch.stable[i]);
+        CuckooShard<K>& sh = ShardOf(ih[i]);
+        const uint32_t row = sh.FindOrInsert(keys[i], ih[i], &created);
+        update(i, sh.value_at(row), created, stable[i]);
         created_here += created;
       }
       added.fetch_add(created_here, std::memory_order_relaxed);
@@ -494,14 +509,13 @@ class CuckooTable {
 
   // Removes the keys present; returns how many were removed.
   int64_t Remove(const View* keys, int64_t n, const ParallelFor& pfor) {
-    Batch batch = Partition(keys, n);
+    std::vector<uint64_t> stable, ih;
+    HashAll(keys, n, pfor, &stable, &ih);
     std::atomic<int64_t> removed{0};
-    RunExclusive(batch, n, pfor, [&](CuckooShard<K>& sh, uint32_t lo, uint32_t hi) {
+    RunByShardGroups(ih, n, pfor, [&](auto owns) {
       int64_t removed_here = 0;
-      for (uint32_t p = lo; p < hi; ++p) {
-        if (p + kPrefetchDistance < hi) sh.Prefetch(batch.ihash[batch.order[p + kPrefetchDistance]]);
-        const uint32_t i = batch.order[p];
-        removed_here += sh.Remove(keys[i], batch.ihash[i]);
+      for (int64_t i = 0; i < n; ++i) {
+        if (owns(i)) removed_here += ShardOf(ih[i]).Remove(keys[i], ih[i]);
       }
       removed.fetch_add(removed_here, std::memory_order_relaxed);
     });
@@ -558,37 +572,6 @@ class CuckooTable {
     mutable std::shared_mutex mu;  // guards *shard
     std::unique_ptr<CuckooShard<K>> shard;
   };
-  // Keys of one batch sorted by shard (stable: batch order within a shard).
-  struct Batch {
-    std::vector<uint64_t> stable;  // stable hash of key i
-    std::vector<uint64_t> ihash;   // internal hash of key i
-    std::vector<uint32_t> order;   // key indices grouped by shard
-    uint32_t offsets[kNumShards + 1];  // shard s owns order[offsets[s], offsets[s+1])
-  };
-
-  static int64_t CostPerShard(int64_t n, int64_t ns_per_key) {
-    return std::max<int64_t>(1, n / kNumShards) * ns_per_key;
-  }
-
-  Batch Partition(const View* keys, int64_t n) const {
-    if (n > 0xFFFFFFF0LL) throw TableError("a batch holds at most 2^32-16 keys, got " + std::to_string(n));
-    Batch b;
-    b.stable.resize(n);
-    b.ihash.resize(n);
-    b.order.resize(n);
-    uint32_t counts[kNumShards] = {0};
-    for (int64_t i = 0; i < n; ++i) {
-      b.stable[i] = StableHash(keys[i]);
-      b.ihash[i] = InternalHash(b.stable[i]);
-      ++counts[ShardIndex(b.ihash[i])];
-    }
-    b.offsets[0] = 0;
-    for (int s = 0; s < kNumShards; ++s) b.offsets[s + 1] = b.offsets[s] + counts[s];
-    uint32_t fill[kNumShards];
-    std::copy(b.offsets, b.offsets + kNumShards, fill);
-    for (int64_t i = 0; i < n; ++i) b.order[fill[ShardIndex(b.ihash[i])]++] = static_cast<uint32_t>(i);
-    return b;
-  }
 
   // Records the first exception thrown by a worker so that it can be
   // rethrown on the calling thread: exceptions must not escape into the
@@ -613,21 +596,45 @@ class CuckooTable {
     std::exception_ptr error_;
   };
 
-  // Calls fn(shard, lo, hi) for every shard with keys in the batch, holding
-  // that shard's exclusive lock; fn works on batch.order[lo, hi).
-  template <class Fn>
-  void RunExclusive(const Batch& batch, int64_t n, const ParallelFor& pfor, Fn fn) {
-    FirstError error;
-    pfor(kNumShards, CostPerShard(n, 120), [&](int64_t begin, int64_t end) {
-      error.Run([&] {
-      for (int64_t s = begin; s < end; ++s) {
-        const uint32_t lo = batch.offsets[s], hi = batch.offsets[s + 1];
-        if (lo == hi) continue;
-        Slot& slot = shards_[s];
-        std::unique_lock<std::shared_mutex> lock(slot.mu);
-        fn(*slot.shard, lo, hi);
+  CuckooShard<K>& ShardOf(uint64_t ih) { return *shards_[ShardIndex(ih)].shard; }
+
+  // Stable and internal hash of every key, computed in parallel.
+  static void HashAll(const View* keys, int64_t n, const ParallelFor& pfor, std::vector<uint64_t>* stable,
+                      std::vector<uint64_t>* ih) {
+    if (n > kMaxBatch) throw TableError("a batch holds at most 2^32-16 keys, got " + std::to_string(n));
+    stable->resize(n);
+    ih->resize(n);
+    pfor(n, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        (*stable)[i] = StableHash(keys[i]);
+        (*ih)[i] = InternalHash((*stable)[i]);
       }
-      });
+    });
+  }
+
+  // Splits the shards into one contiguous group per worker.  Each worker
+  // locks its group exclusively and calls body(owns), where owns(i) tells
+  // whether key i belongs to the group; the body walks the batch in order
+  // and handles its own keys, so every shard sees its keys in batch order
+  // and inputs are read front to back.  Small batches use one group.
+  template <class Body>
+  void RunByShardGroups(const std::vector<uint64_t>& ih, int64_t n, const ParallelFor& pfor, Body body) {
+    const int64_t workers = std::max<int64_t>(1, std::thread::hardware_concurrency());
+    const int64_t groups = std::clamp<int64_t>(std::min(n / kMinKeysPerGroup, workers), 1, kMaxGroups);
+    FirstError error;
+    pfor(groups, std::max<int64_t>(1, n / groups) * 100, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        error.Run([&] {
+          const int s0 = static_cast<int>(g * kNumShards / groups);
+          const int s1 = static_cast<int>((g + 1) * kNumShards / groups);
+          std::unique_lock<std::shared_mutex> locks[kNumShards];
+          for (int s = s0; s < s1; ++s) locks[s] = std::unique_lock<std::shared_mutex>(shards_[s].mu);
+          body([&ih, s0, s1](int64_t i) {
+            const int s = ShardIndex(ih[i]);
+            return s >= s0 && s < s1;
+          });
+        });
+      }
     });
     error.Rethrow();
   }
