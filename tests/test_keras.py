@@ -175,3 +175,16 @@ def test_bad_layer_arguments():
     layer = tfde.keras.layers.Embedding(3, key_dtype=tf.int64)
     with pytest.raises(Exception, match="are string, expected int64"):
         layer(tf.constant(["x"]))
+
+
+def test_empty_batch_trains_without_error():
+    layer = tfde.keras.layers.Embedding(3, initializer=1.0, name="empty_batch")
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.1))
+    for ids in (tf.zeros([0], tf.int64), tf.zeros([0, 4], tf.int64), tf.constant([1, 2], tf.int64)):
+        with tf.GradientTape() as tape:
+            out = layer(ids, training=True)
+            loss = tf.reduce_sum(out)
+        assert out.shape == ids.shape + [3]
+        grads = tape.gradient(loss, layer.trainable_variables)
+        opt.apply_gradients(zip(grads, layer.trainable_variables))
+    assert int(layer.params.size()) == 2 and int(opt.iterations) == 3

@@ -153,7 +153,7 @@ class Variable(tf.Module):
         values.set_shape([None, self.dim])
         return values, exists
 
-    def _rows_arg(self, values, n_keys_shape, what="values"):
+    def _rows_arg(self, values, what="values"):
         values = tf.convert_to_tensor(values, dtype_hint=self.value_dtype)
         if values.dtype != self.value_dtype:
             if not (values.dtype.is_floating or values.dtype.is_integer):
@@ -195,7 +195,7 @@ class Variable(tf.Module):
     def upsert(self, keys, values):
         """Stores `values` (``keys.shape + [dim]``) under `keys`."""
         flat = self._keys(tf.reshape(tf.convert_to_tensor(keys, dtype_hint=self.key_dtype), [-1]))
-        rows = self._rows_arg(values, None)
+        rows = self._rows_arg(values)
         self._check_count(flat, rows)
         return tf.group(self._for_each_shard(flat, rows, lambda t, k, r: t.insert(k, r)))
 
@@ -203,7 +203,7 @@ class Variable(tf.Module):
         """Adds `deltas` to the rows of `keys`; a key not stored yet starts from
         its initial row.  Duplicated keys add up."""
         flat = self._keys(tf.reshape(tf.convert_to_tensor(keys, dtype_hint=self.key_dtype), [-1]))
-        rows = self._rows_arg(deltas, None, "deltas")
+        rows = self._rows_arg(deltas, "deltas")
         self._check_count(flat, rows)
 
         def one(table, k, d):
