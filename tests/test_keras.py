@@ -188,3 +188,13 @@ def test_empty_batch_trains_without_error():
         grads = tape.gradient(loss, layer.trainable_variables)
         opt.apply_gradients(zip(grads, layer.trainable_variables))
     assert int(layer.params.size()) == 2 and int(opt.iterations) == 3
+
+
+def test_summary_and_count_params():
+    model = tf.keras.Sequential([tfde.keras.layers.Embedding(8, name="summ"), tf.keras.layers.Dense(2)])
+    model.build((None,))
+    model(tf.constant([1, 2], tf.int64))
+    lines = []
+    model.summary(print_fn=lambda line, *a, **k: lines.append(line))
+    assert model.count_params() == 8 * 2 + 2  # rows live in the table, not in Keras parameters
+    assert any("summ" in line for line in lines)

@@ -22,6 +22,33 @@ _keras = tf.keras
 _IS_KERAS3 = hasattr(_keras, "version") and str(_keras.version()).startswith("3")
 
 
+def _keras3_counts_skip_step_buffers():
+    """Keras 3 counts parameters with math.prod(weight.shape), which fails on
+    a step buffer's unknown first dimension (model.summary() would raise).
+    Its rows live in a tfde table, not in Keras parameters, so the counting
+    helpers are wrapped to leave step buffers out.  tf-keras needs nothing."""
+    try:
+        from keras.src.utils import summary_utils
+    except ImportError:  # a Keras 3 layout without this module: nothing to wrap
+        return
+    from tfde.optimizer import is_step_buffer
+
+    for name in ("count_params", "weight_memory_size"):
+        original = getattr(summary_utils, name, None)
+        if original is None or getattr(original, "_tfde_wrapped", False):
+            continue
+
+        def wrapped(weights, _original=original):
+            return _original([w for w in weights if not is_step_buffer(w)])
+
+        wrapped._tfde_wrapped = True
+        setattr(summary_utils, name, wrapped)
+
+
+if _IS_KERAS3:
+    _keras3_counts_skip_step_buffers()
+
+
 def _serialize_initializer(init):
     if init is None or isinstance(init, (int, float, str)):
         return init
