@@ -1,8 +1,11 @@
 """One suite for every Table backend, checked against the reference table
 (a Python dict, the executable spec)."""
 
+import uuid
+
 import numpy as np
 import pytest
+import redis
 import tensorflow as tf
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -11,9 +14,41 @@ import tfde
 from tfde.initializers import InitSpec
 from tfde.tables import CuckooTableCreator, ReferenceTableCreator
 
-# Backends under test (the reference is the oracle).  Later backends add here.
-BACKENDS = {"cuckoo": CuckooTableCreator()}
+class FreshRedis:
+    """A RedisTableCreator whose tables live under a model tag of their own
+    (so runs and tests never meet); .cleanup() deletes them."""
+
+    def __init__(self):
+        self.tag = f"tfde-test-{uuid.uuid4().hex[:12]}"
+        self.creator = tfde.RedisTableCreator({"model_tag_runtime": self.tag, "storage_slice": 3,
+                                               "keys_sending_size": 7, "redis_host_port": REDIS_PORT})
+
+    def create(self, *args):
+        return self.creator.create(*args)
+
+    def cleanup(self):
+        client = redis.Redis(port=REDIS_PORT)
+        keys = list(client.scan_iter(match=f"{self.tag}:*"))
+        if keys:
+            client.delete(*keys)
+
+
+# Backends under test (the reference is the oracle): name -> factory of a
+# creator-like object with .create() and .cleanup().
+class _Plain:
+    def __init__(self, creator):
+        self.creator = creator
+
+    def create(self, *args):
+        return self.creator.create(*args)
+
+    def cleanup(self):
+        pass
+
+
+BACKENDS = {"cuckoo": lambda: _Plain(CuckooTableCreator()), "redis": FreshRedis}
 KEY_DTYPES = [tf.int64, tf.int32, tf.string]
+REDIS_PORT = 6379  # the standalone server scripts/test.sh makes sure of
 INIT = InitSpec("uniform", -1.0, 1.0, 3)
 
 
@@ -35,7 +70,9 @@ def exported(table):
 
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request):
-    return BACKENDS[request.param]
+    made = BACKENDS[request.param]()
+    yield made
+    made.cleanup()
 
 
 @pytest.mark.parametrize("key_dtype", KEY_DTYPES, ids=lambda d: d.name)
@@ -171,7 +208,7 @@ def test_wrong_dim_is_a_clear_error(backend):
     assert int(t.size()) == 0
 
 
-def test_native_op_validates_shapes_itself():
+def test_native_op_validates_shapes_itself():  # cuckoo only: its kernels
     # Bypass the Python checks: the kernel must refuse before touching memory.
     t = CuckooTableCreator().create("raw", tf.int64, tf.float32, 4)
     ops = tfde._native.load()
@@ -213,7 +250,8 @@ class TableMachine(RuleBasedStateMachine):
     @initialize(backend=st.sampled_from(sorted(BACKENDS)), key_dtype=st.sampled_from(KEY_DTYPES))
     def setup(self, backend, key_dtype):
         self.key_dtype = key_dtype
-        self.t = BACKENDS[backend].create("sm", key_dtype, tf.float32, 3)
+        self.made = BACKENDS[backend]()
+        self.t = self.made.create("sm", key_dtype, tf.float32, 3)
         self.ref = ReferenceTableCreator().create("sm", key_dtype, tf.float32, 3)
         self.counter = 0
 
@@ -258,11 +296,14 @@ class TableMachine(RuleBasedStateMachine):
 
     def teardown(self):
         if hasattr(self, "t"):
-            k1, r1 = exported(self.t)
-            k2, r2 = exported(self.ref)
-            assert k1 == k2
-            if k1:
-                np.testing.assert_allclose(r1, r2, rtol=1e-6, atol=1e-6)
+            try:
+                k1, r1 = exported(self.t)
+                k2, r2 = exported(self.ref)
+                assert k1 == k2
+                if k1:
+                    np.testing.assert_allclose(r1, r2, rtol=1e-6, atol=1e-6)
+            finally:
+                self.made.cleanup()
 
 
 TableMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)

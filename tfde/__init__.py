@@ -18,7 +18,8 @@ from tfde.errors import (BackendUnavailableError, CapacityError, ConfigError, Sh
 from tfde.lookup import embedding_lookup, embedding_lookup_ragged, embedding_lookup_sparse  # noqa: E402
 from tfde.optimizer import DynamicEmbeddingOptimizer  # noqa: E402
 from tfde.policy import RestrictPolicy  # noqa: E402
-from tfde.tables import CuckooTableCreator, Table, TableCreator  # noqa: E402
+from tfde.tables import (CuckooTableCreator, RedisTableConfig, RedisTableCreator, Table,  # noqa: E402
+                         TableCreator)
 from tfde.variable import Variable, get_variable  # noqa: E402
 
 __version__ = "0.1.0"
@@ -36,7 +37,7 @@ def __getattr__(name):
 
 __all__ = [
     "Variable", "get_variable", "embedding_lookup", "embedding_lookup_sparse", "embedding_lookup_ragged",
-    "DynamicEmbeddingOptimizer", "CuckooTableCreator", "Table", "TableCreator", "RestrictPolicy",
+    "DynamicEmbeddingOptimizer", "CuckooTableCreator", "RedisTableConfig", "RedisTableCreator", "Table", "TableCreator", "RestrictPolicy",
     "TfdeError", "ConfigError", "ShapeError", "CapacityError", "BackendUnavailableError",
     "UnsupportedOptimizerError", "errors", "hashing", "initializers", "tables",
 ]

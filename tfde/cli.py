@@ -18,6 +18,13 @@ def _train(args) -> int:
     from tfde.demo import data as demo_data
     from tfde.demo.two_tower import train
 
+    creator = None
+    if args.backend == "redis":
+        import tfde
+
+        creator = tfde.RedisTableCreator(args.redis_config)
+        print(f"backend: Redis at {creator.config.describe_servers()}, model tag "
+              f"{creator.config.model_tag_runtime!r} (rows already stored under it are reused)")
     t = time.perf_counter()
     if args.data:
         data = demo_data.movielens_csv(args.data, seed=args.seed)
@@ -28,7 +35,7 @@ def _train(args) -> int:
     print(f"data: {source}: {data.num_train:,} train / {len(data.test_items):,} held out, "
           f"loaded in {time.perf_counter() - t:.1f}s")
     result = train(data, epochs=args.epochs, batch_size=args.batch_size, embedding_dim=args.dim,
-                   learning_rate=args.learning_rate, optimizer=args.optimizer, seed=args.seed,
+                   learning_rate=args.learning_rate, optimizer=args.optimizer, seed=args.seed, table_creator=creator,
                    verbose=1 if sys.stdout.isatty() or args.progress else 2, k=args.k)
     k = args.k
     print(f"rows stored: {result['user_rows']:,} users, {result['item_rows']:,} items")
@@ -67,6 +74,9 @@ def main(argv=None) -> int:
     t.add_argument("--k", type=int, default=100, help="recall@k")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--keras", choices=["keras3", "tf-keras"], default="keras3")
+    t.add_argument("--backend", choices=["cuckoo", "redis"], default="cuckoo", help="where the tables live")
+    t.add_argument("--redis-config", help="Redis JSON config (TFRA format) for --backend redis; "
+                                          "default: the file named by $TFDE_REDIS_CONFIG")
     t.add_argument("--progress", action="store_true", help="progress bar even when stdout is not a terminal")
     t.set_defaults(fn=_train)
     b = sub.add_parser("build", help="compile the native op library for the installed TensorFlow")

@@ -1,0 +1,197 @@
+"""The Redis backend against real redis-server processes on loopback: config
+handling, errors, pipelining and training through it.  (The shared table
+suite in test_tables.py also runs against Redis.)"""
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import tensorflow as tf
+
+import tfde
+from tfde.tables.redis_table import RedisTable
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "redis.json"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def tag():
+    t = f"tfde-test-{uuid.uuid4().hex[:12]}"
+    yield t
+    client = redis.Redis()
+    keys = list(client.scan_iter(match=f"{t}:*"))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture
+def protected_server():
+    """A redis-server of our own on a free loopback port, with a password."""
+    port = free_port()
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--requirepass", "s3cret"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                redis.Redis(port=port, password="s3cret").ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+# ------------------------------------------------------------ config
+
+def test_tfra_config_file_loads_unchanged():
+    cfg = tfde.RedisTableConfig.from_path(str(CONFIG))
+    assert cfg.redis_connection_mode == 2 and cfg.storage_slice == 2
+    assert cfg.hash_tags() == ("{1}", "{2}") and cfg.redis_host_port == (6379,)
+
+
+def test_config_from_env_and_dict(monkeypatch):
+    monkeypatch.setenv("TFDE_REDIS_CONFIG", str(CONFIG))
+    assert tfde.RedisTableConfig.load(None).model_tag_runtime == "movielens.v6"
+    assert tfde.RedisTableConfig.load({"redis_host_port": 6380}).redis_host_port == (6380,)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json", "is not valid JSON at line 1"),
+    ('{"storage_slice": 2, // two buckets\n "redis_db": 0}', "JSON has no comments"),
+    ('{"redis_host_port": [70000]}', "redis_host_port 70000 is out of range; expected 1..65535"),
+    ('{"redis_host_ip": []}', "redis_host_ip is empty"),
+    ('{"storage_slice": "2"}', "storage_slice must be an int"),
+    ('{"redis_connection_mode": 5}', "redis_connection_mode must be 0 \\(cluster\\), 1 \\(sentinel\\) or 2"),
+    ('{"storage_slice": 3, "redis_hash_tags_runtime": ["{1}", "{2}"]}', "has 2 tags for 3 buckets"),
+    ('{"redis_hash_tags_runtime": ["x"]}', "is not a Redis hash tag"),
+    ('{"redis_password": 12345}', "redis_password must be a str, got <hidden>"),
+])
+def test_bad_config_files(tmp_path, text, match):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(tfde.ConfigError, match=match) as info:
+        tfde.RedisTableConfig.from_path(str(path))
+    assert "12345" not in str(info.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(tfde.ConfigError, match="does not exist"):
+        tfde.RedisTableConfig.from_path("/nonexistent/redis.json")
+
+
+def test_unknown_field_warns():
+    with pytest.warns(UserWarning, match=r"unknown Redis config field\(s\) \['redis_typo'\]"):
+        tfde.RedisTableConfig.from_dict({"redis_typo": 1})
+
+
+def test_password_never_shown():
+    cfg = tfde.RedisTableConfig.from_dict({"redis_password": "hunter2", "redis_sentinel_password": "x9x9"})
+    assert "hunter2" not in repr(cfg) and "x9x9" not in repr(cfg)
+    assert "hunter2" not in json.dumps(tfde.RedisTableCreator(cfg).get_config())
+
+
+def test_unsupported_modes_say_so():
+    with pytest.raises(tfde.ConfigError, match="not supported by this version of tfde; use 2"):
+        tfde.RedisTableCreator({"redis_connection_mode": 0}).create("t", tf.int64, tf.float32, 2)
+
+
+# ------------------------------------------------------------ server errors
+
+def test_wrong_password_is_a_clear_error(protected_server):
+    creator = tfde.RedisTableCreator({"redis_host_port": protected_server, "redis_password": "wrong-pw"})
+    with pytest.raises(tfde.ConfigError, match="refused the credentials of user 'default'") as info:
+        creator.create("t", tf.int64, tf.float32, 2)
+    assert "wrong-pw" not in str(info.value)
+    ok = tfde.RedisTableCreator({"redis_host_port": protected_server, "redis_password": "s3cret"})
+    t = ok.create("t", tf.int64, tf.float32, 2)
+    t.insert(tf.constant([1], tf.int64), tf.ones([1, 2]))
+    assert int(t.size()) == 1
+
+
+def test_unreachable_server_is_retried_then_named():
+    port = free_port()  # nothing listens there
+    creator = tfde.RedisTableCreator({"redis_host_port": port, "redis_connect_timeout": 100})
+    start = time.perf_counter()
+    with pytest.raises(tfde.BackendUnavailableError, match=f"127.0.0.1:{port} unreachable during open"):
+        creator.create("t", tf.int64, tf.float32, 2)
+    assert time.perf_counter() - start > 0.3  # it backed off and retried
+
+
+def test_table_opened_with_another_dim_is_refused(tag):
+    creator = tfde.RedisTableCreator({"model_tag_runtime": tag})
+    t = creator.create("emb", tf.int64, tf.float32, 4)
+    t.insert(tf.constant([1], tf.int64), tf.ones([1, 4]))
+    with pytest.raises(tfde.ConfigError, match=r"already holds int64 -> float32\[4\].*asked for int64 -> "
+                                               r"float32\[8\]"):
+        creator.create("emb", tf.int64, tf.float32, 8)
+    again = creator.create("emb", tf.int64, tf.float32, 4)  # same spec: attaches to the stored rows
+    assert again.find(tf.constant([1], tf.int64), tf.zeros([1, 4]))[1].numpy().tolist() == [True]
+
+
+def test_lookup_is_one_round_trip(tag, monkeypatch):
+    creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 4, "keys_sending_size": 1024})
+    t = creator.create("rt", tf.int64, tf.float32, 8)
+    t.insert(tf.range(4096, dtype=tf.int64), tf.ones([4096, 8]))
+    calls = []
+    original = redis.client.Pipeline.execute
+
+    def counting(self, *a, **k):
+        calls.append(len(self.command_stack))
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", counting)
+    values, exists = t.find(tf.range(4096, dtype=tf.int64), tf.zeros([1, 8]))
+    assert bool(tf.reduce_all(exists)) and len(calls) == 1 and calls[0] <= 4 + 4  # <= 2 chunks per bucket
+
+
+def test_layout_is_readable_by_other_programs(tag):
+    creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 2})
+    t = creator.create("layout", tf.int64, tf.float32, 3)
+    t.insert(tf.constant([7], tf.int64), tf.constant([[1.0, 2.0, 3.0]]))
+    client = redis.Redis()
+    bucket = ((tfde.hashing.stable_hash_py(7) & 0xFFFFFFFF) * 2) >> 32
+    raw = client.hget(f"{tag}:layout:{{{bucket}}}", (7).to_bytes(8, "little"))
+    assert np.frombuffer(raw, "<f4").tolist() == [1.0, 2.0, 3.0]
+
+
+# ------------------------------------------------------------ training
+
+@pytest.mark.keras
+def test_model_fit_through_redis_matches_cuckoo(tag):
+    def train(creator):
+        model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, seed=3, table_creator=creator, name="r"),
+                                     tf.keras.layers.Flatten(),
+                                     tf.keras.layers.Dense(1, kernel_initializer="ones")])
+        model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 50, (64, 2))
+        y = rng.standard_normal((64, 1)).astype(np.float32)
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model.layers[0].params
+
+    redis_var = train(tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 2}))
+    cuckoo_var = train(tfde.CuckooTableCreator())
+    keys = tf.range(50, dtype=tf.int64)
+    np.testing.assert_allclose(redis_var.lookup(keys), cuckoo_var.lookup(keys), rtol=1e-5, atol=1e-6)
+    assert int(redis_var.size()) == int(cuckoo_var.size()) > 0
+    assert isinstance(redis_var.tables[0], RedisTable)
+    assert all(isinstance(s.tables[0], RedisTable) for s in redis_var.slots.values())
+    slot_hashes = [k for k in redis.Redis().scan_iter(match=f"{tag}:r-m/*")  # Adam's m slot lives in Redis too
+                   if not k.endswith(b":meta")]
+    assert slot_hashes and sum(redis.Redis().hlen(h) for h in slot_hashes) == int(redis_var.size())

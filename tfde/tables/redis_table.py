@@ -1,0 +1,435 @@
+"""Redis-backed tables (standalone server; configured by a TFRA-format JSON).
+
+Layout (documented in the README so other programs can read it):
+  * a table is `storage_slice` Redis hashes ("buckets") named
+    ``{model_tag_runtime}:{table name}:{hash tag}``; the hash tag of bucket b
+    is ``redis_hash_tags_runtime[b]`` (default ``{b}``), so in a cluster each
+    bucket lands on the slot its tag chooses;
+  * a key's bucket is ``((stable_hash & 0xFFFFFFFF) * storage_slice) >> 32``
+    (the low half of tfde's stable hash, so it is independent of the shard
+    routing, which uses the high half);
+  * a field is the key's bytes: int64 / int32 keys as 8 / 4 bytes
+    little-endian, string keys as their bytes; a value is the row as raw
+    little-endian bytes (dim x the value dtype's size);
+  * ``{model_tag_runtime}:{table name}:meta`` holds a msgpack map
+    {format, key_dtype, value_dtype, dim, storage_slice, hash}, written when
+    the table is created and checked when it is opened again.
+
+Calls from TensorFlow graphs go through tf.numpy_function (stateful), so the
+tables work eagerly, in tf.function and under model.fit, in the process that
+created them.  A find of n keys costs one pipelined round trip for all its
+buckets; writes are pipelined in chunks of keys_sending_size keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import threading
+import time
+
+import msgpack
+import numpy as np
+import tensorflow as tf
+
+from tfde import _native
+from tfde.errors import BackendUnavailableError, ConfigError, ShapeError
+from tfde.hashing import stable_hash
+from tfde.initializers import InitSpec
+from tfde.tables.base import Table, TableCreator, as_keys, as_rows
+from tfde.tables.cuckoo import check_dtypes
+from tfde.tables.redis_config import RedisTableConfig
+
+FORMAT_VERSION = 1
+RETRIES = 4            # attempts after the first failure of a Redis call
+BACKOFF_BASE_S = 0.05  # first retry delay in seconds; doubles each retry
+BACKOFF_MAX_S = 1.0    # longest delay between retries, seconds
+_VALUE_KIND = {tf.float32: "f", tf.float64: "d", tf.float16: "h", tf.bfloat16: "b"}
+
+# Adds deltas to rows atomically on the server.  KEYS[1]: the bucket hash;
+# ARGV: value kind (f float32, d float64, h float16, b bfloat16), dim, then
+# (field, delta bytes, initial row bytes) triples; a missing field starts
+# from its initial row.  Sums are formed in double precision and rounded once
+# to the value type (round to nearest even).
+_ACCUM_LUA = r"""
+local kind, dim = ARGV[1], tonumber(ARGV[2])
+local size = ({f = 4, d = 8, h = 2, b = 2})[kind]
+local function round_even(y)
+  local fl = math.floor(y)
+  local r = y - fl
+  if r > 0.5 or (r == 0.5 and fl % 2 == 1) then fl = fl + 1 end
+  return fl
+end
+local function decode(s, j)
+  local pos = j * size + 1
+  if kind == 'f' then return (struct.unpack('<f', s, pos)) end
+  if kind == 'd' then return (struct.unpack('<d', s, pos)) end
+  local h = struct.unpack('<I2', s, pos)
+  if kind == 'b' then return (struct.unpack('<f', struct.pack('<I4', h * 65536))) end
+  local sign = (h >= 32768) and -1 or 1
+  local e, m = math.floor(h / 1024) % 32, h % 1024
+  if e == 0 then return sign * m * 2 ^ -24 end
+  if e == 31 then return (m == 0) and sign * math.huge or 0 / 0 end
+  return sign * (1 + m / 1024) * 2 ^ (e - 15)
+end
+local function encode(x)
+  if kind == 'f' then return struct.pack('<f', x) end
+  if kind == 'd' then return struct.pack('<d', x) end
+  if kind == 'b' then
+    local u = struct.unpack('<I4', struct.pack('<f', x))
+    local lsb = math.floor(u / 65536) % 2
+    return struct.pack('<I2', math.floor((u + 32767 + lsb) / 65536) % 65536)
+  end
+  if x ~= x then return struct.pack('<I2', 32256) end
+  local sign = 0
+  if x < 0 or (x == 0 and 1 / x < 0) then sign = 32768; x = -x end
+  if x >= 65520 then return struct.pack('<I2', sign + 31744) end
+  if x < 2 ^ -14 then return struct.pack('<I2', sign + round_even(x / 2 ^ -24)) end
+  local _, ex = math.frexp(x)
+  local e = ex - 1
+  local m = round_even((x / 2 ^ e - 1) * 1024)
+  if m == 1024 then m = 0; e = e + 1 end
+  if e + 15 >= 31 then return struct.pack('<I2', sign + 31744) end
+  return struct.pack('<I2', sign + (e + 15) * 1024 + m)
+end
+for i = 3, #ARGV, 3 do
+  local cur = redis.call('HGET', KEYS[1], ARGV[i]) or ARGV[i + 2]
+  local delta, out = ARGV[i + 1], {}
+  for j = 0, dim - 1 do out[j + 1] = encode(decode(cur, j) + decode(delta, j)) end
+  redis.call('HSET', KEYS[1], ARGV[i], table.concat(out))
+end
+return (#ARGV - 2) / 3
+"""
+
+
+def _connect(cfg: RedisTableConfig):
+    import redis
+
+    if cfg.redis_connection_mode != 2:
+        raise ConfigError(f"redis_connection_mode {cfg.redis_connection_mode} "
+                          f"({'cluster' if cfg.redis_connection_mode == 0 else 'sentinel'}) is not supported by "
+                          "this version of tfde; use 2 (standalone)")
+    return redis.Redis(
+        host=cfg.redis_host_ip[0], port=cfg.redis_host_port[0], db=cfg.redis_db,
+        username=cfg.redis_user or None, password=cfg.redis_password or None,
+        socket_connect_timeout=cfg.redis_connect_timeout / 1000.0,
+        socket_timeout=cfg.redis_socket_timeout / 1000.0,
+        socket_keepalive=cfg.redis_connect_keep_alive, max_connections=cfg.redis_conn_pool_size)
+
+
+class RedisTable(Table):
+    """A table stored in Redis hashes (see the module docstring for the layout).
+
+    Thread-safety: every method may be called from several threads; each
+    command is atomic on the server, accum is atomic per key (Lua)."""
+
+    def __init__(self, name, key_dtype, value_dtype, dim, config: RedisTableConfig, client=None):
+        self.key_dtype, self.value_dtype, self.dim = check_dtypes(key_dtype, value_dtype, dim)
+        self.name = name
+        self.config = config
+        self._client = client if client is not None else _connect(config)
+        prefix = config.model_tag_runtime
+        if config.using_md5_prefix_name:
+            prefix = hashlib.md5(prefix.encode()).hexdigest()
+        self._buckets = [f"{prefix}:{name}:{tag}" for tag in config.hash_tags()]
+        self._meta_key = f"{prefix}:{name}:meta"
+        self._itemsize = self.value_dtype.size
+        self._row_bytes = dim * self._itemsize
+        self._key_width = {tf.int64: 8, tf.int32: 4}.get(self.key_dtype)
+        self._accum_script = self._client.register_script(_ACCUM_LUA)
+        self._exports = {}
+        self._export_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._open_meta()
+
+    # ------------------------------------------------------------ plumbing
+
+    def _call(self, what: str, fn):
+        """Runs fn() with retries and backoff on connection errors; translates
+        Redis errors into tfde errors naming the server and the operation."""
+        import redis
+
+        delay = BACKOFF_BASE_S
+        for attempt in range(RETRIES + 1):
+            try:
+                return fn()
+            except redis.AuthenticationError:
+                raise ConfigError(f"Redis at {self.config.describe_servers()} refused the credentials of user "
+                                  f"{self.config.redis_user!r} during {what} of table {self.name!r}; check "
+                                  "redis_user and redis_password") from None
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if attempt == RETRIES:
+                    raise BackendUnavailableError(
+                        f"Redis at {self.config.describe_servers()} unreachable during {what} of table "
+                        f"{self.name!r} after {RETRIES + 1} attempts: {e}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX_S)
+            except redis.ResponseError as e:
+                raise BackendUnavailableError(f"Redis at {self.config.describe_servers()} answered an error "
+                                              f"during {what} of table {self.name!r}: {e}") from None
+
+    def _open_meta(self):
+        meta = {"format": FORMAT_VERSION, "key_dtype": self.key_dtype.name, "value_dtype": self.value_dtype.name,
+                "dim": self.dim, "storage_slice": len(self._buckets), "hash": "tfde-mix64-v1"}
+        packed = msgpack.packb(meta)
+        created = self._call("open", lambda: self._client.set(self._meta_key, packed, nx=True))
+        if created:
+            return
+        stored = msgpack.unpackb(self._call("open", lambda: self._client.get(self._meta_key)))
+        if stored != meta:
+            raise ConfigError(
+                f"Redis table {self.name!r} ({self._meta_key}) already holds {stored.get('key_dtype')} -> "
+                f"{stored.get('value_dtype')}[{stored.get('dim')}] in {stored.get('storage_slice')} buckets "
+                f"(format {stored.get('format')}); asked for {meta['key_dtype']} -> {meta['value_dtype']}"
+                f"[{meta['dim']}] in {meta['storage_slice']} buckets. Use another model_tag_runtime or the "
+                "same dtypes, dim and storage_slice.")
+
+    def _fields(self, keys: np.ndarray) -> list:
+        if self._key_width is None:
+            return [k if isinstance(k, bytes) else bytes(k) for k in keys]
+        raw = keys.astype("<i8" if self._key_width == 8 else "<i4").tobytes()
+        w = self._key_width
+        return [raw[i:i + w] for i in range(0, len(raw), w)]
+
+    def _keys_from_fields(self, fields: list) -> np.ndarray:
+        if self._key_width is None:
+            return np.array(fields, dtype=object)
+        return np.frombuffer(b"".join(fields), dtype="<i8" if self._key_width == 8 else "<i4").astype(
+            self.key_dtype.as_numpy_dtype)
+
+    def _bucket_of(self, hashes: np.ndarray) -> np.ndarray:
+        low = hashes.view(np.uint64) & np.uint64(0xFFFFFFFF)
+        return ((low * np.uint64(len(self._buckets))) >> np.uint64(32)).astype(np.int64)
+
+    def _plan(self, hashes):
+        """(bucket, index chunk) pairs covering all keys, in batch order per bucket."""
+        buckets = self._bucket_of(hashes)
+        step = self.config.keys_sending_size
+        for b in np.unique(buckets):
+            idx = np.nonzero(buckets == b)[0]
+            for s in range(0, len(idx), step):
+                yield int(b), idx[s:s + step]
+
+    # ------------------------------------------------------------ numpy side
+
+    def _np_find(self, keys, hashes):
+        n = len(keys)
+        out = np.zeros((n, self._row_bytes), np.uint8)
+        exists = np.zeros(n, bool)
+        if n == 0:
+            return out, exists
+        fields = self._fields(keys)
+        plan = list(self._plan(hashes))
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for b, chunk in plan:
+                pipe.hmget(self._buckets[b], [fields[i] for i in chunk])
+            return pipe.execute()
+
+        for (b, chunk), values in zip(plan, self._call("find", run)):
+            for i, v in zip(chunk, values):
+                if v is None:
+                    continue
+                if len(v) != self._row_bytes:
+                    raise ShapeError(f"Redis table {self.name!r} bucket {self._buckets[b]} holds a {len(v)}-byte "
+                                     f"row where {self._row_bytes} bytes (dim {self.dim} x {self.value_dtype.name})"
+                                     " are expected: the data was written by another program or format")
+                out[i] = np.frombuffer(v, np.uint8)
+                exists[i] = True
+        return out, exists
+
+    def _np_insert(self, keys, hashes, rows):
+        if len(keys) == 0:
+            return np.int64(0)
+        fields = self._fields(keys)
+        plan = list(self._plan(hashes))
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for b, chunk in plan:
+                pipe.hset(self._buckets[b], mapping={fields[i]: rows[i].tobytes() for i in chunk})
+            return pipe.execute()
+
+        self._call("insert", run)
+        return np.int64(len(keys))
+
+    def _np_accum(self, keys, hashes, deltas, init):
+        if len(keys) == 0:
+            return np.int64(0)
+        fields = self._fields(keys)
+        plan = list(self._plan(hashes))
+        kind = _VALUE_KIND[self.value_dtype]
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for b, chunk in plan:
+                args = [kind, self.dim]
+                for i in chunk:
+                    args += [fields[i], deltas[i].tobytes(), init[i].tobytes()]
+                self._accum_script(keys=[self._buckets[b]], args=args, client=pipe)
+            return pipe.execute()
+
+        self._call("accum", run)
+        return np.int64(len(keys))
+
+    def _np_remove(self, keys, hashes):
+        if len(keys) == 0:
+            return np.int64(0)
+        fields = self._fields(keys)
+        plan = list(self._plan(hashes))
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for b, chunk in plan:
+                pipe.hdel(self._buckets[b], *[fields[i] for i in chunk])
+            return pipe.execute()
+
+        # HDEL counts each distinct present field once per command; duplicates
+        # in one chunk are counted once, like the other backends.
+        return np.int64(sum(self._call("remove", run)))
+
+    def _np_size(self):
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for b in self._buckets:
+                pipe.hlen(b)
+            return pipe.execute()
+
+        return np.int64(sum(self._call("size", run)))
+
+    def _np_clear(self):
+        self._call("clear", lambda: self._client.delete(*self._buckets))
+        return np.int64(0)
+
+    def _np_export(self, cursor, max_rows):
+        """Chunks come from HSCAN over the buckets in turn; a cursor > 0 names
+        an export in progress, kept in this object between calls."""
+        cursor, max_rows = int(cursor), int(max_rows)
+        if max_rows <= 0:
+            raise ShapeError(f"export max_rows must be > 0, got {max_rows}")
+        with self._lock:
+            if cursor == 0:
+                cursor = next(self._export_ids)
+                self._exports[cursor] = self._scan_rows()
+                while len(self._exports) > 16:  # abandoned exports
+                    self._exports.pop(next(iter(self._exports)))
+            rows_iter = self._exports.get(cursor)
+        if rows_iter is None:
+            raise ShapeError(f"export cursor {cursor} of Redis table {self.name!r} is unknown or finished; "
+                             "start again from 0")
+        fields, values = [], []
+        for field, value in itertools.islice(rows_iter, max_rows):
+            fields.append(field)
+            values.append(np.frombuffer(value, np.uint8))
+        done = len(fields) < max_rows
+        if not done:
+            try:  # look ahead one row so that the last chunk reports -1
+                peek = next(rows_iter)
+                self._exports[cursor] = itertools.chain([peek], rows_iter)
+            except StopIteration:
+                done = True
+        if done:
+            with self._lock:
+                self._exports.pop(cursor, None)
+        keys = self._keys_from_fields(fields) if fields else np.zeros(
+            0, object if self._key_width is None else self.key_dtype.as_numpy_dtype)
+        rows = np.stack(values) if values else np.zeros((0, self._row_bytes), np.uint8)
+        return keys, rows, np.int64(-1 if done else cursor)
+
+    def _scan_rows(self):
+        # One HSCAN page at a time, so memory stays bounded by a page.  Like
+        # every Redis SCAN, a field may come twice while its hash resizes;
+        # importing an export is an upsert, so that is harmless.
+        for b in self._buckets:
+            cursor = 0
+            while True:
+                cursor, page = self._call("export", lambda b=b, c=cursor: self._client.hscan(b, c, count=1000))
+                yield from page.items()
+                if cursor == 0:
+                    break
+
+    # ------------------------------------------------------------ Table protocol
+
+    def _bytes_to_rows(self, raw):
+        raw.set_shape([None, self._row_bytes])
+        if self._itemsize == 1:
+            return tf.bitcast(raw, self.value_dtype)
+        return tf.bitcast(tf.reshape(raw, [-1, self.dim, self._itemsize]), self.value_dtype)
+
+    def _rows_to_bytes(self, rows):
+        return tf.reshape(tf.bitcast(rows, tf.uint8), [-1, self._row_bytes])
+
+    def _fill(self, keys, missing):
+        if isinstance(missing, InitSpec):
+            return _native.load().tfde_init_rows(keys, Tvalue=self.value_dtype, dim=self.dim, **missing.attrs())
+        d = as_rows(missing, self.value_dtype, self.dim, self.name, "defaults")
+        return tf.broadcast_to(d, [tf.size(keys), self.dim])
+
+    def find(self, keys, missing):
+        keys = as_keys(keys, self.key_dtype, self.name)
+        raw, exists = tf.numpy_function(self._np_find, [keys, stable_hash(keys)], [tf.uint8, tf.bool],
+                                        stateful=True, name="tfde_redis_find")
+        exists.set_shape([None])
+        values = tf.where(exists[:, None], self._bytes_to_rows(raw), self._fill(keys, missing))
+        values.set_shape([None, self.dim])
+        return values, exists
+
+    def insert(self, keys, values):
+        keys = as_keys(keys, self.key_dtype, self.name)
+        values = as_rows(values, self.value_dtype, self.dim, self.name)
+        return tf.numpy_function(self._np_insert, [keys, stable_hash(keys), self._rows_to_bytes(values)],
+                                 tf.int64, stateful=True, name="tfde_redis_insert")
+
+    def accum(self, keys, deltas, missing):
+        keys = as_keys(keys, self.key_dtype, self.name)
+        deltas = as_rows(deltas, self.value_dtype, self.dim, self.name, "deltas")
+        init = self._fill(keys, missing)
+        return tf.numpy_function(self._np_accum, [keys, stable_hash(keys), self._rows_to_bytes(deltas),
+                                                  self._rows_to_bytes(init)],
+                                 tf.int64, stateful=True, name="tfde_redis_accum")
+
+    def remove(self, keys):
+        keys = as_keys(keys, self.key_dtype, self.name)
+        return tf.numpy_function(self._np_remove, [keys, stable_hash(keys)], tf.int64, stateful=True,
+                                 name="tfde_redis_remove")
+
+    def clear(self):
+        return tf.numpy_function(self._np_clear, [], tf.int64, stateful=True, name="tfde_redis_clear")
+
+    def size(self):
+        return tf.numpy_function(self._np_size, [], tf.int64, stateful=True, name="tfde_redis_size")
+
+    def export_chunk(self, cursor, max_rows):
+        keys, raw, nxt = tf.numpy_function(
+            self._np_export, [tf.cast(cursor, tf.int64), tf.cast(max_rows, tf.int64)],
+            [self.key_dtype, tf.uint8, tf.int64], stateful=True, name="tfde_redis_export")
+        keys.set_shape([None])
+        return keys, self._bytes_to_rows(raw), nxt
+
+    def __repr__(self):
+        return (f"RedisTable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}], "
+                f"{self.config.describe_servers()}, buckets={len(self._buckets)})")
+
+
+class RedisTableCreator(TableCreator):
+    """Creates RedisTables from a RedisTableConfig, a dict, a JSON path, or
+    (None) the path in $TFDE_REDIS_CONFIG.  Tables of one creator share a
+    connection pool."""
+
+    def __init__(self, config=None):
+        self.config = RedisTableConfig.load(config)
+        self._client = None
+
+    def create(self, name, key_dtype, value_dtype, dim):
+        if self._client is None:
+            self._client = _connect(self.config)
+        return RedisTable(name, key_dtype, value_dtype, dim, self.config, client=self._client)
+
+    def get_config(self):
+        """The config without its passwords (they are never written out)."""
+        cfg = dataclasses.asdict(self.config)
+        for name in ("redis_password", "redis_sentinel_password"):
+            cfg.pop(name)
+        return cfg
