@@ -106,8 +106,8 @@ def test_password_never_shown():
     assert "hunter2" not in json.dumps(tfde.RedisTableCreator(cfg).get_config())
 
 
-def test_unsupported_modes_say_so():
-    with pytest.raises(tfde.ConfigError, match="not supported by this version of tfde; use 2"):
+def test_cluster_mode_against_a_standalone_server():
+    with pytest.raises(tfde.ConfigError, match="is 0 \\(cluster\\) but 127.0.0.1:6379 is not a cluster node"):
         tfde.RedisTableCreator({"redis_connection_mode": 0}).create("t", tf.int64, tf.float32, 2)
 
 

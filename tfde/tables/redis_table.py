@@ -1,4 +1,4 @@
-"""Redis-backed tables (standalone server; configured by a TFRA-format JSON).
+"""Redis-backed tables (standalone, sentinel or cluster; configured by a TFRA-format JSON).
 
 Layout (documented in the README so other programs can read it):
   * a table is `storage_slice` Redis hashes ("buckets") named
@@ -104,18 +104,41 @@ return (#ARGV - 2) / 3
 
 
 def _connect(cfg: RedisTableConfig):
+    """(writer, reader) clients for the config's connection mode; the reader
+    is a replica when redis_read_access_slave is set (reads may then lag
+    writes), else the writer itself."""
     import redis
 
-    if cfg.redis_connection_mode != 2:
-        raise ConfigError(f"redis_connection_mode {cfg.redis_connection_mode} "
-                          f"({'cluster' if cfg.redis_connection_mode == 0 else 'sentinel'}) is not supported by "
-                          "this version of tfde; use 2 (standalone)")
-    return redis.Redis(
-        host=cfg.redis_host_ip[0], port=cfg.redis_host_port[0], db=cfg.redis_db,
-        username=cfg.redis_user or None, password=cfg.redis_password or None,
-        socket_connect_timeout=cfg.redis_connect_timeout / 1000.0,
-        socket_timeout=cfg.redis_socket_timeout / 1000.0,
-        socket_keepalive=cfg.redis_connect_keep_alive, max_connections=cfg.redis_conn_pool_size)
+    common = dict(username=cfg.redis_user or None, password=cfg.redis_password or None,
+                  socket_connect_timeout=cfg.redis_connect_timeout / 1000.0,
+                  socket_timeout=cfg.redis_socket_timeout / 1000.0, socket_keepalive=cfg.redis_connect_keep_alive)
+    servers = list(zip(cfg.redis_host_ip, cfg.redis_host_port))
+    if cfg.redis_connection_mode == 2:
+        client = redis.Redis(host=servers[0][0], port=servers[0][1], db=cfg.redis_db,
+                             max_connections=cfg.redis_conn_pool_size, **common)
+        return client, client
+    if cfg.redis_connection_mode == 1:
+        from redis.sentinel import Sentinel
+
+        sentinel = Sentinel(servers, sentinel_kwargs=dict(
+            username=cfg.redis_sentinel_user or None, password=cfg.redis_sentinel_password or None,
+            socket_connect_timeout=cfg.redis_sentinel_connect_timeout / 1000.0,
+            socket_timeout=cfg.redis_sentinel_socket_timeout / 1000.0), db=cfg.redis_db, **common)
+        writer = sentinel.master_for(cfg.redis_master_name)
+        reader = sentinel.slave_for(cfg.redis_master_name) if cfg.redis_read_access_slave else writer
+        return writer, reader
+    from redis.cluster import ClusterNode, RedisCluster
+
+    try:
+        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in servers],
+                              read_from_replicas=cfg.redis_read_access_slave,
+                              max_connections=cfg.redis_conn_pool_size, **common)
+    except redis.exceptions.RedisClusterException as e:
+        if "not enabled" in str(e).lower():
+            raise ConfigError(f"redis_connection_mode is 0 (cluster) but {cfg.describe_servers()} is not a cluster "
+                              "node; use 2 for a standalone server or 1 for sentinels") from None
+        raise BackendUnavailableError(f"Redis cluster at {cfg.describe_servers()} unreachable: {e}") from None
+    return client, client
 
 
 class RedisTable(Table):
@@ -124,11 +147,11 @@ class RedisTable(Table):
     Thread-safety: every method may be called from several threads; each
     command is atomic on the server, accum is atomic per key (Lua)."""
 
-    def __init__(self, name, key_dtype, value_dtype, dim, config: RedisTableConfig, client=None):
+    def __init__(self, name, key_dtype, value_dtype, dim, config: RedisTableConfig, clients=None):
         self.key_dtype, self.value_dtype, self.dim = check_dtypes(key_dtype, value_dtype, dim)
         self.name = name
         self.config = config
-        self._client = client if client is not None else _connect(config)
+        self._client, self._reader = clients if clients is not None else _connect(config)
         prefix = config.model_tag_runtime
         if config.using_md5_prefix_name:
             prefix = hashlib.md5(prefix.encode()).hexdigest()
@@ -223,7 +246,7 @@ class RedisTable(Table):
         plan = list(self._plan(hashes))
 
         def run():
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._reader.pipeline(transaction=False)
             for b, chunk in plan:
                 pipe.hmget(self._buckets[b], [fields[i] for i in chunk])
             return pipe.execute()
@@ -263,12 +286,19 @@ class RedisTable(Table):
         kind = _VALUE_KIND[self.value_dtype]
 
         def run():
-            pipe = self._client.pipeline(transaction=False)
+            calls = []
             for b, chunk in plan:
                 args = [kind, self.dim]
                 for i in chunk:
                     args += [fields[i], deltas[i].tobytes(), init[i].tobytes()]
-                self._accum_script(keys=[self._buckets[b]], args=args, client=pipe)
+                calls.append((self._buckets[b], args))
+            if self.config.redis_connection_mode == 0:
+                # Cluster pipelines refuse scripts: one call per chunk, each
+                # routed to the node owning its bucket.
+                return [self._accum_script(keys=[key], args=args) for key, args in calls]
+            pipe = self._client.pipeline(transaction=False)
+            for key, args in calls:
+                self._accum_script(keys=[key], args=args, client=pipe)
             return pipe.execute()
 
         self._call("accum", run)
@@ -292,7 +322,7 @@ class RedisTable(Table):
 
     def _np_size(self):
         def run():
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._reader.pipeline(transaction=False)
             for b in self._buckets:
                 pipe.hlen(b)
             return pipe.execute()
@@ -345,7 +375,7 @@ class RedisTable(Table):
         for b in self._buckets:
             cursor = 0
             while True:
-                cursor, page = self._call("export", lambda b=b, c=cursor: self._client.hscan(b, c, count=1000))
+                cursor, page = self._call("export", lambda b=b, c=cursor: self._reader.hscan(b, c, count=1000))
                 yield from page.items()
                 if cursor == 0:
                     break
@@ -420,12 +450,12 @@ class RedisTableCreator(TableCreator):
 
     def __init__(self, config=None):
         self.config = RedisTableConfig.load(config)
-        self._client = None
+        self._clients = None
 
     def create(self, name, key_dtype, value_dtype, dim):
-        if self._client is None:
-            self._client = _connect(self.config)
-        return RedisTable(name, key_dtype, value_dtype, dim, self.config, client=self._client)
+        if self._clients is None:
+            self._clients = _connect(self.config)
+        return RedisTable(name, key_dtype, value_dtype, dim, self.config, clients=self._clients)
 
     def get_config(self):
         """The config without its passwords (they are never written out)."""
