@@ -62,6 +62,26 @@ def standalone(extra=()):
     return port
 
 
+class Restartable:
+    """A standalone server that writes every change to its append-only file,
+    so it can be killed (-9) and started again on the same port with its data."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="tfde-aof-")
+        self.proc = None
+        self.start()
+
+    def start(self):
+        self.proc = _server("--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+                            "--appendfsync", "always", "--dir", self.dir)
+        _wait(lambda: redis.Redis(port=self.port).ping(), f"redis-server on {self.port}")
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
 def _password(extra):
     extra = list(extra)
     return extra[extra.index("--requirepass") + 1] if "--requirepass" in extra else None

@@ -4,6 +4,7 @@ suite in test_tables.py also runs against Redis.)"""
 
 import json
 import shutil
+import threading
 import socket
 import subprocess
 import time
@@ -15,6 +16,7 @@ import pytest
 import redis
 import tensorflow as tf
 
+import redis_servers
 import tfde
 from tfde.tables.redis_table import RedisTable
 
@@ -195,3 +197,82 @@ def test_model_fit_through_redis_matches_cuckoo(tag):
     slot_hashes = [k for k in redis.Redis().scan_iter(match=f"{tag}:r-m/*")  # Adam's m slot lives in Redis too
                    if not k.endswith(b":meta")]
     assert slot_hashes and sum(redis.Redis().hlen(h) for h in slot_hashes) == int(redis_var.size())
+
+
+# ------------------------------------------------------------ faults
+
+def _sgd_steps(var, steps, on_step=None):
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+    rng = np.random.default_rng(5)
+    for step in range(steps):
+        if on_step is not None:
+            on_step(step)
+        ids = tf.constant(rng.integers(0, 40, 16), tf.int64)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tfde.embedding_lookup(var, ids, training=True) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+
+
+def _reference_rows(steps):
+    var = tfde.Variable("fault", dim=4, seed=2)
+    _sgd_steps(var, steps)
+    return var.lookup(tf.range(40, dtype=tf.int64)).numpy()
+
+
+def test_server_killed_and_restarted_during_training():
+    server = redis_servers.Restartable()
+    var = tfde.Variable("fault", dim=4, seed=2, table_creator=tfde.RedisTableCreator(
+        {"redis_host_port": server.port, "model_tag_runtime": "fault"}))
+
+    def crash_at_10(step):
+        if step == 10:
+            server.kill()
+            threading.Timer(0.3, server.start).start()  # back before the retries run out
+
+    _sgd_steps(var, 20, crash_at_10)
+    np.testing.assert_allclose(var.lookup(tf.range(40, dtype=tf.int64)).numpy(), _reference_rows(20),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_dropped_connections_are_retried(tag):
+    var = tfde.Variable("fault", dim=4, seed=2, table_creator=tfde.RedisTableCreator({"model_tag_runtime": tag}))
+    admin = redis.Redis()
+
+    def drop(step):
+        if step % 3 == 1:
+            admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+
+    _sgd_steps(var, 12, drop)
+    np.testing.assert_allclose(var.lookup(tf.range(40, dtype=tf.int64)).numpy(), _reference_rows(12),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_retried_accum_is_applied_once(tag, monkeypatch):
+    t = tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 2}).create("acc", tf.int64,
+                                                                                      tf.float32, 1)
+    original = redis.client.Pipeline.execute
+    failures = []
+
+    def execute_then_drop(self, *a, **k):
+        result = original(self, *a, **k)
+        if not failures:  # the scripts ran, but the reply is "lost"
+            failures.append(1)
+            raise redis.ConnectionError("connection dropped after the commands were sent")
+        return result
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute_then_drop)
+    t.accum(tf.constant([1, 2, 3], tf.int64), tf.ones([3, 1]), tfde.initializers.InitSpec("constant", 0.0))
+    monkeypatch.undo()
+    assert failures and t.find(tf.constant([1, 2, 3], tf.int64), tf.zeros([1, 1]))[0].numpy().ravel().tolist() \
+        == [1.0, 1.0, 1.0]
+
+
+def test_server_gone_for_good_names_server_and_operation():
+    server = redis_servers.Restartable()
+    var = tfde.Variable("gone", dim=2, table_creator=tfde.RedisTableCreator(
+        {"redis_host_port": server.port, "model_tag_runtime": "gone", "redis_connect_timeout": 100}))
+    var.upsert(tf.constant([1], tf.int64), tf.ones([1, 2]))
+    server.kill()
+    with pytest.raises(tfde.BackendUnavailableError, match=f"127.0.0.1:{server.port} unreachable during find "
+                                                           "of table 'gone/shard_0_of_1' after 5 attempts"):
+        var.lookup(tf.constant([1], tf.int64))

@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import threading
 import time
+import uuid
 
 import msgpack
 import numpy as np
@@ -48,11 +49,14 @@ BACKOFF_MAX_S = 1.0    # longest delay between retries, seconds
 _VALUE_KIND = {tf.float32: "f", tf.float64: "d", tf.float16: "h", tf.bfloat16: "b"}
 
 # Adds deltas to rows atomically on the server.  KEYS[1]: the bucket hash;
-# ARGV: value kind (f float32, d float64, h float16, b bfloat16), dim, then
-# (field, delta bytes, initial row bytes) triples; a missing field starts
+# KEYS[2]: a marker unique to this chunk of this call (same hash tag), so a
+# chunk retried after a dropped connection is applied once; ARGV: value kind
+# (f float32, d float64, h float16, b bfloat16), dim, marker TTL in seconds,
+# then (field, delta bytes, initial row bytes) triples; a missing field starts
 # from its initial row.  Sums are formed in double precision and rounded once
 # to the value type (round to nearest even).
 _ACCUM_LUA = r"""
+if not redis.call('SET', KEYS[2], 1, 'NX', 'EX', tonumber(ARGV[3])) then return 0 end
 local kind, dim = ARGV[1], tonumber(ARGV[2])
 local size = ({f = 4, d = 8, h = 2, b = 2})[kind]
 local function round_even(y)
@@ -93,14 +97,15 @@ local function encode(x)
   if e + 15 >= 31 then return struct.pack('<I2', sign + 31744) end
   return struct.pack('<I2', sign + (e + 15) * 1024 + m)
 end
-for i = 3, #ARGV, 3 do
+for i = 4, #ARGV, 3 do
   local cur = redis.call('HGET', KEYS[1], ARGV[i]) or ARGV[i + 2]
   local delta, out = ARGV[i + 1], {}
   for j = 0, dim - 1 do out[j + 1] = encode(decode(cur, j) + decode(delta, j)) end
   redis.call('HSET', KEYS[1], ARGV[i], table.concat(out))
 end
-return (#ARGV - 2) / 3
+return (#ARGV - 3) / 3
 """
+ACCUM_MARKER_TTL_S = 3600  # how long a chunk's applied-once marker lives
 
 
 def _connect(cfg: RedisTableConfig):
@@ -108,8 +113,13 @@ def _connect(cfg: RedisTableConfig):
     is a replica when redis_read_access_slave is set (reads may then lag
     writes), else the writer itself."""
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
-    common = dict(username=cfg.redis_user or None, password=cfg.redis_password or None,
+    # tfde retries whole operations itself (RedisTable._call), so redis-py's
+    # own per-command retries are switched off: one policy, documented.
+    common = dict(retry=Retry(NoBackoff(), 0), username=cfg.redis_user or None,
+                  password=cfg.redis_password or None,
                   socket_connect_timeout=cfg.redis_connect_timeout / 1000.0,
                   socket_timeout=cfg.redis_socket_timeout / 1000.0, socket_keepalive=cfg.redis_connect_keep_alive)
     servers = list(zip(cfg.redis_host_ip, cfg.redis_host_port))
@@ -155,8 +165,10 @@ class RedisTable(Table):
         prefix = config.model_tag_runtime
         if config.using_md5_prefix_name:
             prefix = hashlib.md5(prefix.encode()).hexdigest()
-        self._buckets = [f"{prefix}:{name}:{tag}" for tag in config.hash_tags()]
+        self._tags = config.hash_tags()
+        self._buckets = [f"{prefix}:{name}:{tag}" for tag in self._tags]
         self._meta_key = f"{prefix}:{name}:meta"
+        self._marker_prefix = f"{prefix}:{name}:applied"
         self._itemsize = self.value_dtype.size
         self._row_bytes = dim * self._itemsize
         self._key_width = {tf.int64: 8, tf.int32: 4}.get(self.key_dtype)
@@ -285,20 +297,23 @@ class RedisTable(Table):
         plan = list(self._plan(hashes))
         kind = _VALUE_KIND[self.value_dtype]
 
-        def run():
-            calls = []
-            for b, chunk in plan:
-                args = [kind, self.dim]
-                for i in chunk:
-                    args += [fields[i], deltas[i].tobytes(), init[i].tobytes()]
-                calls.append((self._buckets[b], args))
+        call_id = uuid.uuid4().hex
+        calls = []
+        for n, (b, chunk) in enumerate(plan):
+            args = [kind, self.dim, ACCUM_MARKER_TTL_S]
+            for i in chunk:
+                args += [fields[i], deltas[i].tobytes(), init[i].tobytes()]
+            marker = f"{self._marker_prefix}:{call_id}:{n}{self._tags[b]}"
+            calls.append(([self._buckets[b], marker], args))
+
+        def run():  # retried as a whole; chunks already applied are skipped
             if self.config.redis_connection_mode == 0:
                 # Cluster pipelines refuse scripts: one call per chunk, each
                 # routed to the node owning its bucket.
-                return [self._accum_script(keys=[key], args=args) for key, args in calls]
+                return [self._accum_script(keys=keys_, args=args) for keys_, args in calls]
             pipe = self._client.pipeline(transaction=False)
-            for key, args in calls:
-                self._accum_script(keys=[key], args=args, client=pipe)
+            for keys_, args in calls:
+                self._accum_script(keys=keys_, args=args, client=pipe)
             return pipe.execute()
 
         self._call("accum", run)
