@@ -50,6 +50,12 @@ def test_stable_hash_matches_reference_for_ints(dtype):
     np.testing.assert_array_equal(got, want)
 
 
+def test_vectorized_numpy_hash_matches_native():
+    keys = np.random.default_rng(1).integers(-2 ** 63, 2 ** 63 - 1, 1000, dtype=np.int64)
+    np.testing.assert_array_equal(hashing.stable_hash_np(keys),
+                                  hashing.stable_hash(tf.constant(keys)).numpy().view(np.uint64))
+
+
 def test_int32_and_int64_keys_hash_alike():
     keys = np.arange(-1000, 1000)
     a = hashing.stable_hash(tf.constant(keys, tf.int32)).numpy()

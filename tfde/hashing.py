@@ -39,6 +39,15 @@ def shard_of_py(hash_u64: int, num_shards: int) -> int:
     return ((hash_u64 >> 32) * num_shards) >> 32
 
 
+def stable_hash_np(keys: np.ndarray) -> np.ndarray:
+    """Stable hash of integer keys, vectorized numpy (uint64 array)."""
+    with np.errstate(over="ignore"):
+        z = keys.astype(np.int64).view(np.uint64) + np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
 def stable_hash(keys):
     """Stable hash of each key: int64 tensor with the uint64 bits, same shape."""
     from tfde import _native

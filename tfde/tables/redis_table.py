@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from tfde import _native
 from tfde.errors import BackendUnavailableError, ConfigError, ShapeError
-from tfde.hashing import stable_hash
+from tfde.hashing import stable_hash, stable_hash_np
 from tfde.initializers import InitSpec
 from tfde.tables.base import Table, TableCreator, as_keys, as_rows
 from tfde.tables.cuckoo import check_dtypes
@@ -173,6 +173,9 @@ class RedisTable(Table):
         self._row_bytes = dim * self._itemsize
         self._key_width = {tf.int64: 8, tf.int32: 4}.get(self.key_dtype)
         self._accum_script = self._client.register_script(_ACCUM_LUA)
+        with tf.init_scope():  # made once: an eager op costs ~0.1 ms per call
+            self._no_hashes = tf.zeros([0], tf.int64)
+            self._no_defaults = tf.zeros([0, dim], self.value_dtype)
         self._exports = {}
         self._export_ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -248,12 +251,26 @@ class RedisTable(Table):
 
     # ------------------------------------------------------------ numpy side
 
-    def _np_find(self, keys, hashes):
+    def _hashes(self, keys, hashes):
+        """Stable hashes: computed here (vectorized) for int keys, passed in
+        (from the native op) for string keys."""
+        return stable_hash_np(keys) if self._key_width is not None else hashes
+
+    def _np_find(self, keys, hashes, defaults):
+        """(rows [n, dim] of the value dtype, exists [n]); missing rows are
+        taken from `defaults` ([n, dim] or [1, dim]) when it has rows."""
         n = len(keys)
         out = np.zeros((n, self._row_bytes), np.uint8)
         exists = np.zeros(n, bool)
-        if n == 0:
-            return out, exists
+        if n:
+            self._fetch(keys, self._hashes(keys, hashes), out, exists)
+        rows = out.view(self.value_dtype.as_numpy_dtype)
+        if len(defaults):
+            missing = ~exists
+            rows[missing] = defaults if len(defaults) == 1 else defaults[missing]
+        return rows, exists
+
+    def _fetch(self, keys, hashes, out, exists):
         fields = self._fields(keys)
         plan = list(self._plan(hashes))
 
@@ -263,28 +280,37 @@ class RedisTable(Table):
                 pipe.hmget(self._buckets[b], [fields[i] for i in chunk])
             return pipe.execute()
 
+        rb = self._row_bytes
         for (b, chunk), values in zip(plan, self._call("find", run)):
-            for i, v in zip(chunk, values):
-                if v is None:
-                    continue
-                if len(v) != self._row_bytes:
-                    raise ShapeError(f"Redis table {self.name!r} bucket {self._buckets[b]} holds a {len(v)}-byte "
-                                     f"row where {self._row_bytes} bytes (dim {self.dim} x {self.value_dtype.name})"
-                                     " are expected: the data was written by another program or format")
-                out[i] = np.frombuffer(v, np.uint8)
-                exists[i] = True
-        return out, exists
+            present = np.fromiter((v is not None for v in values), bool, len(values))
+            found = [v for v in values if v is not None]
+            joined = b"".join(found)
+            if len(joined) != len(found) * rb or any(len(v) != rb for v in found[:1]):
+                bad = next(v for v in found if len(v) != rb)
+                raise ShapeError(f"Redis table {self.name!r} bucket {self._buckets[b]} holds a {len(bad)}-byte "
+                                 f"row where {rb} bytes (dim {self.dim} x {self.value_dtype.name}) are expected: "
+                                 "the data was written by another program or format")
+            hit = chunk[present]
+            out[hit] = np.frombuffer(joined, np.uint8).reshape(len(found), rb)
+            exists[hit] = True
 
     def _np_insert(self, keys, hashes, rows):
         if len(keys) == 0:
             return np.int64(0)
+        rows = np.ascontiguousarray(rows).view(np.uint8).reshape(len(keys), self._row_bytes)
         fields = self._fields(keys)
-        plan = list(self._plan(hashes))
+        plan = list(self._plan(self._hashes(keys, hashes)))
+
+        rb = self._row_bytes
+        payloads = []
+        for b, chunk in plan:
+            raw = rows[chunk].tobytes()
+            payloads.append((self._buckets[b], {fields[i]: raw[j * rb:(j + 1) * rb] for j, i in enumerate(chunk)}))
 
         def run():
             pipe = self._client.pipeline(transaction=False)
-            for b, chunk in plan:
-                pipe.hset(self._buckets[b], mapping={fields[i]: rows[i].tobytes() for i in chunk})
+            for name, mapping in payloads:
+                pipe.hset(name, mapping=mapping)
             return pipe.execute()
 
         self._call("insert", run)
@@ -293,8 +319,10 @@ class RedisTable(Table):
     def _np_accum(self, keys, hashes, deltas, init):
         if len(keys) == 0:
             return np.int64(0)
+        deltas = np.ascontiguousarray(deltas).view(np.uint8).reshape(len(keys), self._row_bytes)
+        init = np.ascontiguousarray(init).view(np.uint8).reshape(len(keys), self._row_bytes)
         fields = self._fields(keys)
-        plan = list(self._plan(hashes))
+        plan = list(self._plan(self._hashes(keys, hashes)))
         kind = _VALUE_KIND[self.value_dtype]
 
         call_id = uuid.uuid4().hex
@@ -323,7 +351,7 @@ class RedisTable(Table):
         if len(keys) == 0:
             return np.int64(0)
         fields = self._fields(keys)
-        plan = list(self._plan(hashes))
+        plan = list(self._plan(self._hashes(keys, hashes)))
 
         def run():
             pipe = self._client.pipeline(transaction=False)
@@ -403,41 +431,45 @@ class RedisTable(Table):
             return tf.bitcast(raw, self.value_dtype)
         return tf.bitcast(tf.reshape(raw, [-1, self.dim, self._itemsize]), self.value_dtype)
 
-    def _rows_to_bytes(self, rows):
-        return tf.reshape(tf.bitcast(rows, tf.uint8), [-1, self._row_bytes])
-
-    def _fill(self, keys, missing):
-        if isinstance(missing, InitSpec):
-            return _native.load().tfde_init_rows(keys, Tvalue=self.value_dtype, dim=self.dim, **missing.attrs())
-        d = as_rows(missing, self.value_dtype, self.dim, self.name, "defaults")
-        return tf.broadcast_to(d, [tf.size(keys), self.dim])
+    def _hash_arg(self, keys):
+        # String keys are hashed by the native op; int keys in the callback.
+        return stable_hash(keys) if self._key_width is None else self._no_hashes
 
     def find(self, keys, missing):
         keys = as_keys(keys, self.key_dtype, self.name)
-        raw, exists = tf.numpy_function(self._np_find, [keys, stable_hash(keys)], [tf.uint8, tf.bool],
-                                        stateful=True, name="tfde_redis_find")
-        exists.set_shape([None])
-        values = tf.where(exists[:, None], self._bytes_to_rows(raw), self._fill(keys, missing))
+        if isinstance(missing, InitSpec):
+            defaults = self._no_defaults
+        else:
+            defaults = as_rows(missing, self.value_dtype, self.dim, self.name, "defaults")
+        values, exists = tf.numpy_function(self._np_find, [keys, self._hash_arg(keys), defaults],
+                                           [self.value_dtype, tf.bool], stateful=True, name="tfde_redis_find")
         values.set_shape([None, self.dim])
+        exists.set_shape([None])
+        if isinstance(missing, InitSpec):
+            init = _native.load().tfde_init_rows(keys, Tvalue=self.value_dtype, dim=self.dim, **missing.attrs())
+            values = tf.where(exists[:, None], values, init)
         return values, exists
 
     def insert(self, keys, values):
         keys = as_keys(keys, self.key_dtype, self.name)
         values = as_rows(values, self.value_dtype, self.dim, self.name)
-        return tf.numpy_function(self._np_insert, [keys, stable_hash(keys), self._rows_to_bytes(values)],
+        return tf.numpy_function(self._np_insert, [keys, self._hash_arg(keys), values],
                                  tf.int64, stateful=True, name="tfde_redis_insert")
 
     def accum(self, keys, deltas, missing):
         keys = as_keys(keys, self.key_dtype, self.name)
         deltas = as_rows(deltas, self.value_dtype, self.dim, self.name, "deltas")
-        init = self._fill(keys, missing)
-        return tf.numpy_function(self._np_accum, [keys, stable_hash(keys), self._rows_to_bytes(deltas),
-                                                  self._rows_to_bytes(init)],
+        if isinstance(missing, InitSpec):
+            init = _native.load().tfde_init_rows(keys, Tvalue=self.value_dtype, dim=self.dim, **missing.attrs())
+        else:
+            init = tf.broadcast_to(as_rows(missing, self.value_dtype, self.dim, self.name, "defaults"),
+                                   [tf.size(keys), self.dim])
+        return tf.numpy_function(self._np_accum, [keys, self._hash_arg(keys), deltas, init],
                                  tf.int64, stateful=True, name="tfde_redis_accum")
 
     def remove(self, keys):
         keys = as_keys(keys, self.key_dtype, self.name)
-        return tf.numpy_function(self._np_remove, [keys, stable_hash(keys)], tf.int64, stateful=True,
+        return tf.numpy_function(self._np_remove, [keys, self._hash_arg(keys)], tf.int64, stateful=True,
                                  name="tfde_redis_remove")
 
     def clear(self):
