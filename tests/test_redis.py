@@ -276,3 +276,31 @@ def test_server_gone_for_good_names_server_and_operation():
     with pytest.raises(tfde.BackendUnavailableError, match=f"127.0.0.1:{server.port} unreachable during find "
                                                            "of table 'gone/shard_0_of_1' after 5 attempts"):
         var.lookup(tf.constant([1], tf.int64))
+
+
+# ------------------------------------------------------------ model tags
+
+def test_import_from_model_tag_rebuckets_rows(tag):
+    old = tfde.RedisTableCreator({"model_tag_runtime": tag + "-v1", "storage_slice": 3})
+    t_old = old.create("emb", tf.string, tf.float32, 2)
+    t_old.insert(tf.constant(["a", "b", "c"]), tf.constant([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]))
+    new = tfde.RedisTableCreator({"model_tag_runtime": tag, "model_tag_import": tag + "-v1",
+                                  "storage_slice_import": 3, "storage_slice": 2})
+    t_new = new.create("emb", tf.string, tf.float32, 2)
+    rows, exists = t_new.find(tf.constant(["a", "b", "c", "d"]), tf.zeros([1, 2]))
+    assert rows.numpy().tolist() == [[1, 1], [2, 2], [3, 3], [0, 0]] and exists.numpy().tolist()[:3] == [True] * 3
+    t_old.clear()  # the import was a copy
+    assert int(t_new.size()) == 3
+    client = redis.Redis()
+    for k in client.scan_iter(match=f"{tag}-v1:*"):
+        client.delete(k)
+
+
+def test_close_sets_expiry_and_open_clears_it(tag):
+    with tfde.RedisTableCreator({"model_tag_runtime": tag, "expire_model_tag_in_seconds": 600}) as creator:
+        t = creator.create("ttl", tf.int64, tf.float32, 2)
+        t.insert(tf.constant([1], tf.int64), tf.ones([1, 2]))
+    client = redis.Redis()
+    assert 0 < client.ttl(f"{tag}:ttl:{{0}}") <= 600 and 0 < client.ttl(f"{tag}:ttl:meta") <= 600
+    tfde.RedisTableCreator({"model_tag_runtime": tag}).create("ttl", tf.int64, tf.float32, 2)
+    assert client.ttl(f"{tag}:ttl:{{0}}") == -1  # persistent again while in use

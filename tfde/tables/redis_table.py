@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from tfde import _native
 from tfde.errors import BackendUnavailableError, ConfigError, ShapeError
-from tfde.hashing import stable_hash, stable_hash_np
+from tfde.hashing import stable_hash, stable_hash_np, stable_hash_py
 from tfde.initializers import InitSpec
 from tfde.tables.base import Table, TableCreator, as_keys, as_rows
 from tfde.tables.cuckoo import check_dtypes
@@ -180,6 +180,14 @@ class RedisTable(Table):
         self._export_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._open_meta()
+        self._call("open", lambda: [self._client.persist(k) for k in self._buckets + [self._meta_key]])
+
+    def close(self) -> None:
+        """Sets the expiry of this table's hashes (expire_model_tag_in_seconds;
+        0 keeps them forever, as in TFRA).  Opening the table again removes it."""
+        ttl = self.config.expire_model_tag_in_seconds
+        if ttl > 0:
+            self._call("close", lambda: [self._client.expire(k, ttl) for k in self._buckets + [self._meta_key]])
 
     # ------------------------------------------------------------ plumbing
 
@@ -207,11 +215,16 @@ class RedisTable(Table):
                 raise BackendUnavailableError(f"Redis at {self.config.describe_servers()} answered an error "
                                               f"during {what} of table {self.name!r}: {e}") from None
 
+    def _meta(self, buckets: int) -> dict:
+        return {"format": FORMAT_VERSION, "key_dtype": self.key_dtype.name, "value_dtype": self.value_dtype.name,
+                "dim": self.dim, "storage_slice": buckets, "hash": "tfde-mix64-v1"}
+
     def _open_meta(self):
-        meta = {"format": FORMAT_VERSION, "key_dtype": self.key_dtype.name, "value_dtype": self.value_dtype.name,
-                "dim": self.dim, "storage_slice": len(self._buckets), "hash": "tfde-mix64-v1"}
-        packed = msgpack.packb(meta)
-        created = self._call("open", lambda: self._client.set(self._meta_key, packed, nx=True))
+        meta = self._meta(len(self._buckets))
+        exists = self._call("open", lambda: self._client.exists(self._meta_key))
+        if not exists:
+            self._import_from_model_tag()
+        created = self._call("open", lambda: self._client.set(self._meta_key, msgpack.packb(meta), nx=True))
         if created:
             return
         stored = msgpack.unpackb(self._call("open", lambda: self._client.get(self._meta_key)))
@@ -222,6 +235,47 @@ class RedisTable(Table):
                 f"(format {stored.get('format')}); asked for {meta['key_dtype']} -> {meta['value_dtype']}"
                 f"[{meta['dim']}] in {meta['storage_slice']} buckets. Use another model_tag_runtime or the "
                 "same dtypes, dim and storage_slice.")
+
+    def _import_from_model_tag(self):
+        """A new runtime table starts as a copy of the same table under
+        model_tag_import, when that exists: rows are re-bucketed, since the
+        two may have different storage_slice."""
+        cfg = self.config
+        if not cfg.model_tag_import or cfg.model_tag_import == cfg.model_tag_runtime:
+            return
+        prefix = cfg.model_tag_import
+        if cfg.using_md5_prefix_name:
+            prefix = hashlib.md5(prefix.encode()).hexdigest()
+        raw_meta = self._call("import", lambda: self._client.get(f"{prefix}:{self.name}:meta"))
+        if raw_meta is None:
+            return
+        source = msgpack.unpackb(raw_meta)
+        if source != self._meta(source.get("storage_slice")):
+            raise ConfigError(f"cannot import Redis table {self.name!r} from model tag {cfg.model_tag_import!r}: it "
+                              f"holds {source.get('key_dtype')} -> {source.get('value_dtype')}[{source.get('dim')}],"
+                              f" this table is {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}]")
+        tags = cfg.redis_hash_tags_import or tuple(f"{{{i}}}" for i in range(source["storage_slice"]))
+        for tag in tags:
+            cursor = 0
+            while True:
+                cursor, page = self._call("import", lambda c=cursor, t=tag: self._reader.hscan(
+                    f"{prefix}:{self.name}:{t}", c, count=1000))
+                if page:
+                    fields = list(page)
+                    keys = self._keys_from_fields(fields)
+                    hashes = (stable_hash_np(keys) if self._key_width is not None else
+                              np.array([stable_hash_py(k) for k in fields], np.uint64))
+                    buckets = self._bucket_of(hashes)
+
+                    def run(fields=fields, buckets=buckets):
+                        pipe = self._client.pipeline(transaction=False)
+                        for f, b in zip(fields, buckets):
+                            pipe.hset(self._buckets[b], f, page[f])
+                        return pipe.execute()
+
+                    self._call("import", run)
+                if cursor == 0:
+                    break
 
     def _fields(self, keys: np.ndarray) -> list:
         if self._key_width is None:
@@ -498,11 +552,25 @@ class RedisTableCreator(TableCreator):
     def __init__(self, config=None):
         self.config = RedisTableConfig.load(config)
         self._clients = None
+        self.tables = []
 
     def create(self, name, key_dtype, value_dtype, dim):
         if self._clients is None:
             self._clients = _connect(self.config)
-        return RedisTable(name, key_dtype, value_dtype, dim, self.config, clients=self._clients)
+        table = RedisTable(name, key_dtype, value_dtype, dim, self.config, clients=self._clients)
+        self.tables.append(table)
+        return table
+
+    def close(self) -> None:
+        """Closes every table this creator made (sets their expiry)."""
+        for table in self.tables:
+            table.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def get_config(self):
         """The config without its passwords (they are never written out)."""
