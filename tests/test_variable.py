@@ -133,12 +133,12 @@ def test_restrict_policy_hook_sees_every_training_update():
         def __init__(self, variable=None):
             self.seen = []
 
-        def on_apply(self, keys):
-            self.seen.append(sorted(keys.numpy().tolist()))
+        def on_apply(self, keys, step):
+            self.seen.append((int(step), sorted(keys.numpy().tolist())))
 
     v = tfde.Variable("policy", dim=2, restrict_policy=Recorder)
     opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(tfde.embedding_lookup(v, tf.constant([3, 1, 3], tf.int64), training=True))
     opt.apply_gradients(zip(tape.gradient(loss, [v.step_buffer]), [v.step_buffer]))
-    assert v.restrict_policy.variable is v and v.restrict_policy.seen == [[1, 3]]
+    assert v.restrict_policy.variable is v and v.restrict_policy.seen == [(0, [1, 3])]

@@ -17,7 +17,8 @@ from tfde.errors import (BackendUnavailableError, CapacityError, ConfigError, Sh
                          UnsupportedOptimizerError)
 from tfde.lookup import embedding_lookup, embedding_lookup_ragged, embedding_lookup_sparse  # noqa: E402
 from tfde.optimizer import DynamicEmbeddingOptimizer  # noqa: E402
-from tfde.policy import RestrictPolicy  # noqa: E402
+from tfde.policy import (AutoRestrictor, FrequencyRestrictPolicy, RestrictPolicy,  # noqa: E402
+                         TimestampRestrictPolicy, TTLPolicy)
 from tfde.tables import (CuckooTableCreator, RedisTableConfig, RedisTableCreator, Table,  # noqa: E402
                          TableCreator)
 from tfde.variable import Variable, get_variable  # noqa: E402
@@ -37,7 +38,7 @@ def __getattr__(name):
 
 __all__ = [
     "Variable", "get_variable", "embedding_lookup", "embedding_lookup_sparse", "embedding_lookup_ragged",
-    "DynamicEmbeddingOptimizer", "CuckooTableCreator", "RedisTableConfig", "RedisTableCreator", "Table", "TableCreator", "RestrictPolicy",
+    "DynamicEmbeddingOptimizer", "CuckooTableCreator", "RedisTableConfig", "RedisTableCreator", "Table", "TableCreator", "RestrictPolicy", "FrequencyRestrictPolicy", "TimestampRestrictPolicy", "TTLPolicy", "AutoRestrictor",
     "TfdeError", "ConfigError", "ShapeError", "CapacityError", "BackendUnavailableError",
     "UnsupportedOptimizerError", "errors", "hashing", "initializers", "tables",
 ]

@@ -176,7 +176,7 @@ class DynamicEmbeddingMixin:
             ops.append(slot_vars[name].upsert(keys, tf.cast(value, var.value_dtype)))
         if var.restrict_policy is not None:
             with tf.control_dependencies(ops):
-                hook = var.restrict_policy.on_apply(keys)
+                hook = var.restrict_policy.on_apply(keys, self.iterations)
                 if hook is not None:
                     ops.append(hook)
         return tf.group(ops)

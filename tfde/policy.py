@@ -1,31 +1,226 @@
-"""The restrict-policy hook of a Variable.
+"""Restrict policies: which keys a Variable keeps.
 
-A policy is bound to one Variable and told about every training update; it
-decides which keys a Variable keeps.  The concrete policies (frequency,
-timestamp, admission filters, TTL) build on this protocol.
+A policy is bound to one Variable and told about every training update
+(`on_apply(keys, step)`, called by DynamicEmbeddingOptimizer after it wrote
+the rows of the step's unique keys; lookups for inference never count).  Its
+state lives in a slot of the Variable (same backend, keys and shards, one
+float64 per key), so it is removed together with the rows and the optimizer
+slots and is exported with them.
+
+`variable.restrict(num_reserved, trigger)` keeps the `num_reserved` most
+valuable keys once the Variable holds more than `trigger` (default
+num_reserved) and removes the others from the rows, every optimizer slot and
+the policy state.  Ties are broken by the stable key hash: of two keys with
+the same value, the one with the smaller stable hash is kept, so every
+worker decides alike.  tfde.AutoRestrictor and
+tfde.keras.callbacks.RestrictCallback apply it automatically.
+
+Restriction is meant to run between training steps (the automatic helpers
+do); a training step that runs concurrently may write a key back after it
+was removed.
 """
 
 from __future__ import annotations
 
 import abc
+import time
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
+
+from tfde.errors import ConfigError
+from tfde.hashing import stable_hash
+
+CHUNK_ROWS = 1 << 16  # keys scored per lookup while restricting
 
 
 class RestrictPolicy(abc.ABC):
-    """Protocol of restrict policies.
-
-    bind(variable) is called once when the Variable is created;
-    on_apply(keys) after the optimizer wrote the rows of `keys` (unique, 1-D)
-    in a training step; it may return an op (graph mode) or None.
-    """
+    """Protocol of restrict policies (see the module docstring)."""
 
     variable = None
 
+    def __init__(self, variable=None):
+        # Variables accept a policy class too and instantiate it with
+        # themselves; bind() is what attaches a policy to its Variable.
+        pass
+
     def bind(self, variable) -> None:
+        """Called once, when the Variable is created."""
         self.variable = variable
 
     @abc.abstractmethod
-    def on_apply(self, keys: tf.Tensor) -> Optional[tf.Operation]:
-        """Called with the keys updated in this training step."""
+    def on_apply(self, keys: tf.Tensor, step: tf.Tensor) -> Optional[tf.Operation]:
+        """Called with the unique keys written in a training step and the
+        optimizer's iteration count before that step (int64 scalar)."""
+
+    def restrict(self, num_reserved: Optional[int] = None, trigger: Optional[int] = None) -> int:
+        """Removes keys the policy does not keep; returns how many."""
+        raise NotImplementedError(f"{type(self).__name__} does not restrict")
+
+
+class _ScoredPolicy(RestrictPolicy):
+    """Keeps one float64 score per key in a slot named `policy-{state}`;
+    restrict() keeps the highest scores."""
+
+    state = "score"
+
+    def bind(self, variable) -> None:
+        super().bind(variable)
+        self.scores = variable.slot(f"policy-{self.state}", 0.0, dim=1, value_dtype=tf.float64)
+
+    def _stored_keys(self):
+        for keys, _ in self.variable.export(CHUNK_ROWS):
+            yield keys
+
+    def _scored(self):
+        """(keys, scores, stable hashes) of every stored key, numpy."""
+        keys, scores, hashes = [], [], []
+        for chunk in self._stored_keys():
+            keys.append(chunk.numpy())
+            scores.append(self.scores.lookup(chunk).numpy()[:, 0])
+            hashes.append(stable_hash(chunk).numpy().view(np.uint64))
+        if not keys:
+            return None
+        return np.concatenate(keys), np.concatenate(scores), np.concatenate(hashes)
+
+    def restrict(self, num_reserved: Optional[int] = None, trigger: Optional[int] = None) -> int:
+        if num_reserved is None or isinstance(num_reserved, bool) or not isinstance(num_reserved, int) \
+                or num_reserved < 0:
+            raise ConfigError(f"num_reserved must be an int >= 0, got {num_reserved!r}")
+        trigger = num_reserved if trigger is None else trigger
+        if int(self.variable.size()) <= trigger:
+            return 0
+        scored = self._scored()
+        if scored is None:
+            return 0
+        keys, scores, hashes = scored
+        order = np.lexsort((hashes, -scores))  # best score first, then smaller stable hash
+        drop = keys[order[num_reserved:]]
+        return self._remove(drop)
+
+    def _remove(self, keys: np.ndarray) -> int:
+        removed = 0
+        for start in range(0, len(keys), CHUNK_ROWS):
+            removed += int(self.variable.remove(tf.constant(keys[start:start + CHUNK_ROWS],
+                                                            dtype=self.variable.key_dtype)))
+        return removed
+
+
+class FrequencyRestrictPolicy(_ScoredPolicy):
+    """Keeps the keys updated in the most training steps (a key seen several
+    times in one batch counts once for that step)."""
+
+    state = "frequency"
+
+    def on_apply(self, keys, step):
+        return self.scores.accum(keys, tf.ones([tf.size(keys), 1], tf.float64))
+
+
+class TimestampRestrictPolicy(_ScoredPolicy):
+    """Keeps the most recently updated keys.
+
+    clock: 'step' (the optimizer's iteration of the last update) or 'wall'
+    (seconds since the epoch of the last update)."""
+
+    state = "timestamp"
+
+    def __init__(self, variable=None, clock: str = "step"):
+        super().__init__(variable)
+        if clock not in ("step", "wall"):
+            raise ConfigError(f"clock must be 'step' or 'wall', got {clock!r}")
+        self.clock = clock
+
+    def _now(self, step):
+        return tf.timestamp() if self.clock == "wall" else tf.cast(step, tf.float64)
+
+    def on_apply(self, keys, step):
+        now = self._now(step)
+        return self.scores.upsert(keys, tf.fill([tf.size(keys), 1], now))
+
+
+class TTLPolicy(TimestampRestrictPolicy):
+    """Evicts keys not updated for `ttl_steps` optimizer steps or `ttl_s`
+    seconds (give exactly one).  restrict() takes no size arguments."""
+
+    def __init__(self, variable=None, ttl_steps: Optional[int] = None, ttl_s: Optional[float] = None):
+        if (ttl_steps is None) == (ttl_s is None):
+            raise ConfigError("TTLPolicy needs exactly one of ttl_steps= or ttl_s=")
+        value = ttl_steps if ttl_steps is not None else ttl_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"the TTL must be a positive number, got {value!r}")
+        super().__init__(clock="step" if ttl_steps is not None else "wall")
+        self.ttl = float(value)
+        self._latest_step = None
+
+    def bind(self, variable) -> None:
+        super().bind(variable)
+        with tf.init_scope():
+            self._latest_step = tf.Variable(tf.constant(-1.0, tf.float64), trainable=False,
+                                            name=f"{variable.name.replace('/', '_')}_ttl_latest_step")
+
+    def on_apply(self, keys, step):
+        write = super().on_apply(keys, step)
+        with tf.control_dependencies([write] if write is not None else []):
+            return self._latest_step.assign(tf.maximum(self._latest_step, tf.cast(step, tf.float64)))
+
+    def restrict(self, num_reserved=None, trigger=None) -> int:
+        if num_reserved is not None or trigger is not None:
+            raise ConfigError("TTLPolicy.restrict() takes no num_reserved or trigger: the TTL decides")
+        now = time.time() if self.clock == "wall" else float(self._latest_step.numpy())
+        scored = self._scored()
+        if scored is None:
+            return 0
+        keys, scores, _ = scored
+        return self._remove(keys[scores < now - self.ttl])
+
+
+class AutoRestrictor:
+    """Applies restriction automatically in a custom training loop: call
+    after_step(step) after every optimizer step.
+
+    Args:
+      variables: the tfde Variables to restrict (each needs a restrict policy).
+      every_n_steps: restrict every this many steps.
+      max_size: restrict whenever a Variable holds more than this many keys.
+      num_reserved: keys kept by size-based policies (default: max_size).
+    Give every_n_steps, max_size or both.  TTL policies evict by age each time.
+
+    Example:
+      >>> auto = tfde.AutoRestrictor([var], max_size=100_000)
+      >>> for step, batch in enumerate(data): train_step(batch); auto.after_step(step + 1)
+    """
+
+    def __init__(self, variables, every_n_steps: Optional[int] = None, max_size: Optional[int] = None,
+                 num_reserved: Optional[int] = None):
+        self.variables = list(variables)
+        if every_n_steps is None and max_size is None:
+            raise ConfigError("AutoRestrictor needs every_n_steps=, max_size= or both")
+        for name, value in (("every_n_steps", every_n_steps), ("max_size", max_size),
+                            ("num_reserved", num_reserved)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        for v in self.variables:
+            if v.restrict_policy is None:
+                raise ConfigError(f"Variable {v.name!r} has no restrict_policy; create it with one, e.g. "
+                                  "restrict_policy=tfde.FrequencyRestrictPolicy")
+        self.every_n_steps, self.max_size = every_n_steps, max_size
+        self.num_reserved = num_reserved if num_reserved is not None else max_size
+        if self.num_reserved is None and any(not isinstance(v.restrict_policy, TTLPolicy) for v in self.variables):
+            raise ConfigError("size-based policies need num_reserved= (or max_size=) to know how many keys to keep")
+        self.removed = 0
+
+    def after_step(self, step: int) -> int:
+        """Restricts what is due after training step `step`; returns keys removed."""
+        removed = 0
+        scheduled = self.every_n_steps is not None and step % self.every_n_steps == 0
+        for v in self.variables:
+            over = self.max_size is not None and int(v.size()) > self.max_size
+            if not (scheduled or over):
+                continue
+            if isinstance(v.restrict_policy, TTLPolicy):
+                removed += v.restrict()
+            else:
+                removed += v.restrict(self.num_reserved)
+        self.removed += removed
+        return removed

@@ -251,17 +251,28 @@ class Variable(tf.Module):
 
     # ------------------------------------------------------------ slots
 
-    def slot(self, slot_name: str, initial_value: float) -> "Variable":
-        """The optimizer slot `slot_name`: a Variable of the same key dtype,
-        dim, sharding and backend whose missing rows read `initial_value`.
-        Created on first use; removed and cleared with this Variable."""
+    def slot(self, slot_name: str, initial_value: float, dim: Optional[int] = None,
+             value_dtype=None) -> "Variable":
+        """The slot `slot_name` (optimizer state, policy state): a Variable of
+        the same key dtype, sharding and backend (and, unless given, dim and
+        value dtype) whose missing rows read `initial_value`.  Created on
+        first use; removed and cleared with this Variable's rows."""
         if slot_name not in self._slots:
             with tf.init_scope():
                 self._slots[slot_name] = Variable(
-                    f"{self._full_name}-{slot_name}", key_dtype=self.key_dtype, value_dtype=self.value_dtype,
-                    dim=self.dim, initializer=float(initial_value), num_shards=self.num_shards,
+                    f"{self._full_name}-{slot_name}", key_dtype=self.key_dtype,
+                    value_dtype=value_dtype or self.value_dtype, dim=dim or self.dim,
+                    initializer=float(initial_value), num_shards=self.num_shards,
                     table_creator=self.table_creator, trainable=False)
         return self._slots[slot_name]
+
+    def restrict(self, num_reserved: Optional[int] = None, trigger: Optional[int] = None) -> int:
+        """Applies the restrict policy: see tfde.policy.  Returns the number
+        of keys removed (rows, optimizer slots and policy state alike)."""
+        if self.restrict_policy is None:
+            raise ConfigError(f"Variable {self.name!r} has no restrict_policy; create it with one, e.g. "
+                              "restrict_policy=tfde.FrequencyRestrictPolicy")
+        return self.restrict_policy.restrict(num_reserved, trigger)
 
     @property
     def slots(self) -> dict:

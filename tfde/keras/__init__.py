@@ -1,5 +1,5 @@
 """Keras integration: layers over tfde Variables (Keras 3 or tf-keras)."""
 
-from tfde.keras import layers
+from tfde.keras import callbacks, layers
 
-__all__ = ["layers"]
+__all__ = ["callbacks", "layers"]

@@ -1,0 +1,151 @@
+"""Restrict policies against a pure-Python reference model: random sequences
+of training steps and restrictions leave exactly the keys the reference
+keeps (ties: smaller stable hash kept), and every slot table (optimizer and
+policy state) always holds exactly the rows' key set."""
+
+import uuid
+
+import numpy as np
+import pytest
+import redis
+import tensorflow as tf
+
+import tfde
+from tfde.hashing import stable_hash_py
+
+pytestmark = pytest.mark.keras  # trains through the Keras optimizer wrapper
+
+
+def creators():
+    yield "cuckoo", tfde.CuckooTableCreator(), lambda: None
+    tag = f"tfde-test-{uuid.uuid4().hex[:12]}"
+
+    def cleanup():
+        client = redis.Redis()
+        for k in client.scan_iter(match=f"{tag}:*"):
+            client.delete(k)
+
+    yield "redis", tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 2}), cleanup
+
+
+class Reference:
+    """What a Variable with a frequency or timestamp policy must hold."""
+
+    def __init__(self, kind):
+        self.kind, self.score = kind, {}
+
+    def step(self, t, keys):
+        for k in set(keys):
+            self.score[k] = self.score.get(k, 0) + 1 if self.kind == "frequency" else t
+
+    def restrict(self, num_reserved, trigger):
+        if len(self.score) <= trigger:
+            return
+        ranked = sorted(self.score, key=lambda k: (-self.score[k], stable_hash_py(k)))
+        self.score = {k: self.score[k] for k in ranked[:num_reserved]}
+
+
+def stored(var):
+    keys = [k.numpy() for k, _ in var.export()]
+    return set(np.concatenate(keys).tolist()) if keys else set()
+
+
+def train_step(var, opt, keys):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tfde.embedding_lookup(var, tf.constant(keys, tf.int64), training=True))
+    opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+
+
+@pytest.mark.parametrize("kind,policy", [("frequency", tfde.FrequencyRestrictPolicy),
+                                         ("timestamp", tfde.TimestampRestrictPolicy)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_steps_and_restrictions_match_reference(kind, policy, seed):
+    for backend, creator, cleanup in creators():
+        try:
+            rng = np.random.default_rng(seed)
+            var = tfde.Variable(f"pol-{kind}-{seed}", dim=2, table_creator=creator, restrict_policy=policy)
+            opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
+            ref = Reference(kind)
+            for t in range(25):
+                # a skewed vocabulary with duplicates inside a batch
+                keys = np.minimum(rng.zipf(1.5, 12), 60).tolist()
+                train_step(var, opt, keys)
+                ref.step(t, keys)
+                if t % 5 == 4:
+                    num_reserved, trigger = int(rng.integers(3, 12)), int(rng.integers(5, 15))
+                    var.restrict(num_reserved, trigger=trigger)
+                    ref.restrict(num_reserved, trigger)
+                keys_now = stored(var)
+                assert keys_now == set(ref.score), (backend, t)
+                for name, slot in var.slots.items():
+                    assert stored(slot) == keys_now, (backend, t, name)
+            scores = var.slots[f"policy-{kind}"].lookup(tf.constant(sorted(keys_now), tf.int64)).numpy()[:, 0]
+            assert scores.tolist() == [float(ref.score[k]) for k in sorted(keys_now)], backend
+        finally:
+            cleanup()
+
+
+def test_inference_does_not_count():
+    var = tfde.Variable("pol-inf", dim=2, restrict_policy=tfde.FrequencyRestrictPolicy)
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+    train_step(var, opt, [1, 1, 2])
+    tfde.embedding_lookup(var, tf.constant([1, 2, 3], tf.int64), training=False)
+    counts = var.slots["policy-frequency"].lookup(tf.constant([1, 2, 3], tf.int64)).numpy()[:, 0]
+    assert counts.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_ttl_steps_evicts_keys_not_updated_recently():
+    var = tfde.Variable("pol-ttl", dim=2, restrict_policy=tfde.TTLPolicy(ttl_steps=3))
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+    for t in range(8):
+        train_step(var, opt, [100] if t == 0 else [t])  # key 100 only in step 0
+    # latest step 7, TTL 3: keys last updated before step 4 (older than 3 steps) go
+    assert int(var.restrict()) == 4
+    assert stored(var) == {4, 5, 6, 7} and stored(var.slots["policy-timestamp"]) == {4, 5, 6, 7}
+
+
+def test_auto_restrictor_in_a_custom_loop():
+    var = tfde.Variable("pol-auto", dim=2, restrict_policy=tfde.FrequencyRestrictPolicy)
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+    auto = tfde.AutoRestrictor([var], max_size=20, num_reserved=10)
+    for t in range(30):
+        train_step(var, opt, [t * 3, t * 3 + 1, 1])
+        auto.after_step(t + 1)
+        assert int(var.size()) <= 20
+    assert auto.removed > 0 and 1 in stored(var)  # the key seen in every step is always kept
+
+
+def test_restrict_callback_under_model_fit():
+    layer = tfde.keras.layers.Embedding(4, restrict_policy=tfde.FrequencyRestrictPolicy, name="pol_fit")
+    model = tf.keras.Sequential([layer, tf.keras.layers.Dense(1)])
+    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
+    sizes = []
+
+    class Sizes(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            sizes.append(int(layer.params.size()))
+
+    x = np.arange(400, dtype=np.int64)
+    model.fit(x, np.zeros((400, 1), np.float32), batch_size=40, epochs=1, verbose=0,
+              callbacks=[tfde.keras.callbacks.RestrictCallback(max_size=100, num_reserved=60), Sizes()])
+    assert max(sizes) <= 100 and int(layer.params.size()) <= 100
+
+
+def test_restrict_callback_without_policies_says_so():
+    model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, name="pol_none"), tf.keras.layers.Dense(1)])
+    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1)), loss="mse")
+    with pytest.raises(tfde.ConfigError, match="found no tfde layer with a restrict_policy"):
+        model.fit(np.arange(4), np.zeros((4, 1)), verbose=0,
+                  callbacks=[tfde.keras.callbacks.RestrictCallback(max_size=2)])
+
+
+def test_bad_arguments():
+    var = tfde.Variable("pol-bad", dim=2)
+    with pytest.raises(tfde.ConfigError, match="has no restrict_policy"):
+        var.restrict(10)
+    with pytest.raises(tfde.ConfigError, match="exactly one of ttl_steps= or ttl_s="):
+        tfde.TTLPolicy()
+    with pytest.raises(tfde.ConfigError, match="needs every_n_steps=, max_size= or both"):
+        tfde.AutoRestrictor([tfde.Variable("p2", dim=2, restrict_policy=tfde.FrequencyRestrictPolicy)])
+    with pytest.raises(tfde.ConfigError, match="num_reserved must be an int >= 0"):
+        tfde.Variable("p3", dim=2, restrict_policy=tfde.FrequencyRestrictPolicy).restrict(-1)
