@@ -149,3 +149,31 @@ def test_bad_arguments():
         tfde.AutoRestrictor([tfde.Variable("p2", dim=2, restrict_policy=tfde.FrequencyRestrictPolicy)])
     with pytest.raises(tfde.ConfigError, match="num_reserved must be an int >= 0"):
         tfde.Variable("p3", dim=2, restrict_policy=tfde.FrequencyRestrictPolicy).restrict(-1)
+
+
+# ------------------------------------------------------------ admission
+
+@pytest.mark.parametrize("default", ["initializer", "zeros"])
+def test_counter_filter_admits_on_the_min_count_th_step(default):
+    var = tfde.Variable("adm-counter", dim=2, initializer=1.0,
+                        admission_filter=tfde.CounterFilter(3, default=default))
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5))
+    for t in range(3):
+        train_step(var, opt, [7, 7, 8] if t < 2 else [7])
+        if t < 2:
+            assert stored(var) == set() and all(int(s.size()) == 0 for s in var.slots.values())
+            expected = 1.0 if default == "initializer" else 0.0
+            assert var.lookup(tf.constant([7], tf.int64)).numpy().tolist() == [[expected, expected]]
+    assert stored(var) == {7}  # third sighting: admitted, its update applied from the initial row
+    assert var.lookup(tf.constant([7], tf.int64)).numpy().tolist() == [[0.5, 0.5]]
+    assert var.lookup(tf.constant([8], tf.int64), return_exists=True)[1].numpy().tolist() == [False]
+
+
+def test_probability_filter_is_deterministic_per_key():
+    a = tfde.Variable("adm-p-a", dim=2, admission_filter=tfde.ProbabilityFilter(0.3, seed=4))
+    b = tfde.Variable("adm-p-b", dim=2, admission_filter=tfde.ProbabilityFilter(0.3, seed=4))
+    for var in (a, b):
+        opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+        for _ in range(3):
+            train_step(var, opt, list(range(1000)))
+    assert stored(a) == stored(b) and 230 < len(stored(a)) < 370  # ~30% of 1000, same keys on both

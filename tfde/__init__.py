@@ -13,6 +13,7 @@ if (_major, _minor) < (2, 16):
                       "upgrade with `pip install -U 'tensorflow-cpu>=2.16'` (or tensorflow)")
 
 from tfde import errors, hashing, initializers, tables  # noqa: E402
+from tfde.admission import AdmissionFilter, CounterFilter, ProbabilityFilter  # noqa: E402
 from tfde.errors import (BackendUnavailableError, CapacityError, ConfigError, ShapeError, TfdeError,  # noqa: E402
                          UnsupportedOptimizerError)
 from tfde.lookup import embedding_lookup, embedding_lookup_ragged, embedding_lookup_sparse  # noqa: E402
@@ -38,7 +39,7 @@ def __getattr__(name):
 
 __all__ = [
     "Variable", "get_variable", "embedding_lookup", "embedding_lookup_sparse", "embedding_lookup_ragged",
-    "DynamicEmbeddingOptimizer", "CuckooTableCreator", "RedisTableConfig", "RedisTableCreator", "Table", "TableCreator", "RestrictPolicy", "FrequencyRestrictPolicy", "TimestampRestrictPolicy", "TTLPolicy", "AutoRestrictor",
+    "DynamicEmbeddingOptimizer", "CuckooTableCreator", "RedisTableConfig", "RedisTableCreator", "Table", "TableCreator", "RestrictPolicy", "FrequencyRestrictPolicy", "TimestampRestrictPolicy", "TTLPolicy", "AutoRestrictor", "AdmissionFilter", "CounterFilter", "ProbabilityFilter",
     "TfdeError", "ConfigError", "ShapeError", "CapacityError", "BackendUnavailableError",
     "UnsupportedOptimizerError", "errors", "hashing", "initializers", "tables",
 ]

@@ -54,6 +54,8 @@ class Variable(tf.Module):
       table_creator: backend; tfde.CuckooTableCreator() by default.
       restrict_policy: a tfde.RestrictPolicy (class or instance) told about
         every training update; see tfde.policy.
+      admission_filter: a tfde.CounterFilter or tfde.ProbabilityFilter
+        deciding which new keys get stored rows; see tfde.admission.
       trainable: whether lookups in training mode feed the optimizer.
 
     Example:
@@ -66,7 +68,7 @@ class Variable(tf.Module):
     def __init__(self, name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1,
                  initializer=None, seed: Optional[int] = None, num_shards: int = 1,
                  table_creator: Optional[TableCreator] = None, restrict_policy=None,
-                 trainable: bool = True):
+                 admission_filter=None, trainable: bool = True):
         if not isinstance(name, str) or not name:
             raise ConfigError(f"a Variable needs a non-empty string name, got {name!r}")
         super().__init__(name=_module_name(name))
@@ -95,6 +97,9 @@ class Variable(tf.Module):
         if restrict_policy is not None:
             self.restrict_policy = restrict_policy(self) if isinstance(restrict_policy, type) else restrict_policy
             self.restrict_policy.bind(self)
+        self.admission_filter = admission_filter
+        if admission_filter is not None:
+            admission_filter.bind(self)
 
     # ------------------------------------------------------------ identity
 
@@ -125,7 +130,9 @@ class Variable(tf.Module):
     def _keys(self, keys) -> tf.Tensor:
         return as_keys(keys, self.key_dtype, self.name)
 
-    def _missing(self, flat_keys):
+    def _missing(self, flat_keys, for_update=False):
+        if not for_update and self.admission_filter is not None and self.admission_filter.default == "zeros":
+            return _init.InitSpec("constant", 0.0, 0.0, self.seed)
         if isinstance(self.initializer, _init.PerKey):
             rows = tf.convert_to_tensor(self.initializer.fn(flat_keys), dtype=self.value_dtype)
             return tf.ensure_shape(rows, [None, self.dim])
@@ -138,8 +145,10 @@ class Variable(tf.Module):
         pos = tf.dynamic_partition(tf.range(tf.size(flat_keys)), shard, self.num_shards)
         return keys, pos
 
-    def _find(self, flat_keys) -> Tuple[tf.Tensor, tf.Tensor]:
-        missing = self._missing(flat_keys)
+    def _find(self, flat_keys, for_update: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+        """(rows, exists); for_update: missing rows read the initializer even
+        when an admission filter makes lookups read zeros."""
+        missing = self._missing(flat_keys, for_update)
         if self.num_shards == 1:
             values, exists = self._tables[0].find(flat_keys, missing)
         else:

@@ -90,7 +90,8 @@ class Embedding(_keras.layers.Layer):
       initializer: initial rows of unseen keys (tfde.initializers).
       combiner: None, or 'sum' / 'mean' / 'sqrtn' to reduce the last axis of
         the ids: ``[batch, n]`` ids give ``[batch, dim]``.
-      num_shards, table_creator, restrict_policy, seed: as tfde.Variable.
+      num_shards, table_creator, restrict_policy, admission_filter, seed: as
+        tfde.Variable.
       Inputs may also be a tf.SparseTensor or tf.RaggedTensor of ids
         (combined per row with `combiner`, 'mean' if None).
 
@@ -105,7 +106,8 @@ class Embedding(_keras.layers.Layer):
 
     def __init__(self, embedding_size: int, key_dtype=tf.int64, value_dtype=tf.float32, initializer=None,
                  combiner: Optional[str] = None, num_shards: int = 1, table_creator: Optional[TableCreator] = None,
-                 restrict_policy=None, seed: Optional[int] = None, name: Optional[str] = None, **kwargs):
+                 restrict_policy=None, admission_filter=None, seed: Optional[int] = None, name: Optional[str] = None,
+                 **kwargs):
         kwargs.pop("dtype", None)
         # Keras 3's Sequential gives its implicit InputLayer the first layer's
         # compute dtype, and a policy whose compute and variable dtypes agree
@@ -127,7 +129,7 @@ class Embedding(_keras.layers.Layer):
         self.params = Variable(self.name, key_dtype=self.key_dtype, value_dtype=self.value_dtype,
                                dim=embedding_size, initializer=initializer, seed=seed, num_shards=num_shards,
                                table_creator=table_creator, restrict_policy=restrict_policy,
-                               trainable=self.trainable)
+                               admission_filter=admission_filter, trainable=self.trainable)
         if self.params.trainable:
             self._track_step_buffer(self.params.step_buffer)
 

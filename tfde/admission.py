@@ -1,0 +1,95 @@
+"""Admission filters: which new keys get a stored, trainable row.
+
+Passed as ``admission_filter=`` to a tfde.Variable or Keras layer.  The
+optimizer asks the filter, every training step, which of the step's keys
+that are not stored yet may be written; the others are left out of the
+update (no row, no optimizer slot, no policy state is written for them) and
+keep reading their default row.
+
+* CounterFilter(min_count): a key is admitted in the step in which it is
+  seen for the min_count-th time (a key seen several times in one batch
+  counts once).  Its counter lives in a Variable of its own (same backend),
+  which drops the counter once the key is admitted.
+* ProbabilityFilter(p, seed): a key is admitted when its stable hash, mixed
+  with the seed, falls below p of the uint64 range: deterministic, so every
+  worker decides the same way without talking, and a rejected key stays out.
+
+default: what a key that has no stored row reads in lookups: 'initializer'
+(the Variable's initial row) or 'zeros'.  Once admitted, a key's first update
+starts from its initial row either way.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import tensorflow as tf
+
+from tfde.errors import ConfigError
+from tfde.hashing import stable_hash
+
+_DEFAULTS = ("initializer", "zeros")
+
+
+class AdmissionFilter(abc.ABC):
+    def __init__(self, default: str = "initializer"):
+        if default not in _DEFAULTS:
+            raise ConfigError(f"default must be one of {_DEFAULTS}, got {default!r}")
+        self.default = default
+        self.variable = None
+
+    def bind(self, variable) -> None:
+        self.variable = variable
+
+    @abc.abstractmethod
+    def admit(self, keys: tf.Tensor, stored: tf.Tensor) -> tf.Tensor:
+        """bool mask over the step's unique `keys`: which may be written.
+        `stored` tells which are stored already (those are always admitted)."""
+
+
+class CounterFilter(AdmissionFilter):
+    def __init__(self, min_count: int, default: str = "initializer"):
+        super().__init__(default)
+        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
+            raise ConfigError(f"min_count must be an int >= 1, got {min_count!r}")
+        self.min_count = min_count
+        self.counts = None
+
+    def bind(self, variable) -> None:
+        super().bind(variable)
+        from tfde.variable import Variable
+
+        with tf.init_scope():
+            self.counts = Variable(f"{variable.name}-admission", key_dtype=variable.key_dtype,
+                                   value_dtype=tf.float64, dim=1, initializer=0.0,
+                                   num_shards=variable.num_shards, table_creator=variable.table_creator,
+                                   trainable=False)
+
+    def admit(self, keys, stored):
+        candidates = tf.boolean_mask(keys, ~stored)
+        seen = self.counts.lookup(candidates)[:, 0] + 1.0
+        admitted_new = seen >= float(self.min_count)
+        waiting = tf.boolean_mask(candidates, ~admitted_new)
+        ops = [self.counts.upsert(waiting, tf.boolean_mask(seen, ~admitted_new)[:, None]),
+               self.counts.remove(tf.boolean_mask(candidates, admitted_new))]
+        with tf.control_dependencies([o for o in ops if o is not None]):
+            # scatter the decisions for the candidates back over all keys
+            positions = tf.where(~stored)[:, 0]
+            return tf.tensor_scatter_nd_update(stored, positions[:, None], admitted_new)
+
+
+class ProbabilityFilter(AdmissionFilter):
+    def __init__(self, p: float, seed: int = 0, default: str = "initializer"):
+        super().__init__(default)
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ConfigError(f"p must be a probability in [0, 1], got {p!r}")
+        self.p, self.seed = float(p), int(seed)
+
+    def admit(self, keys, stored):
+        # Mix the seed into the stable hash, then compare the top 53 bits
+        # (exact in float64) with p.
+        h = tf.bitcast(stable_hash(keys), tf.uint64)
+        mixed = tf.bitwise.bitwise_xor(h, tf.constant((self.seed * 0x9E3779B97F4A7C15) & (2 ** 64 - 1), tf.uint64))
+        mixed = tf.bitcast(stable_hash(tf.bitcast(mixed, tf.int64)), tf.uint64)
+        u = tf.cast(tf.bitwise.right_shift(mixed, tf.constant(11, tf.uint64)), tf.float64) * (2.0 ** -53)
+        return stored | (u < self.p)
