@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import tfde
 from tfde import cli
 from tfde.demo import data as demo_data
 from tfde.demo.two_tower import most_popular_recall, train
@@ -63,3 +64,13 @@ def test_cli_train_on_a_csv(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "held-out recall@20" in out and "examples/s" in out
     assert code == 0, out
+
+
+@pytest.mark.keras
+def test_policies_and_admission_in_the_demo():
+    data = demo_data.synthetic(40_000, 2_000, 1_000, seed=2)
+    result = train(data, epochs=1, batch_size=512, embedding_dim=16, verbose=0, k=20, max_rows=500, min_count=2)
+    assert result["user_rows"] <= 500 and result["item_rows"] <= 500
+    model = result["model"]
+    assert isinstance(model.user_embedding.params.restrict_policy, tfde.FrequencyRestrictPolicy)
+    assert isinstance(model.item_embedding.params.admission_filter, tfde.CounterFilter)

@@ -36,6 +36,7 @@ def _train(args) -> int:
           f"loaded in {time.perf_counter() - t:.1f}s")
     result = train(data, epochs=args.epochs, batch_size=args.batch_size, embedding_dim=args.dim,
                    learning_rate=args.learning_rate, optimizer=args.optimizer, seed=args.seed, table_creator=creator,
+                   policy=args.policy, max_rows=args.max_rows, min_count=args.min_count,
                    verbose=1 if sys.stdout.isatty() or args.progress else 2, k=args.k)
     k = args.k
     print(f"rows stored: {result['user_rows']:,} users, {result['item_rows']:,} items")
@@ -75,6 +76,11 @@ def main(argv=None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--keras", choices=["keras3", "tf-keras"], default="keras3")
     t.add_argument("--backend", choices=["cuckoo", "redis"], default="cuckoo", help="where the tables live")
+    t.add_argument("--policy", choices=["frequency", "timestamp"], help="restrict policy of the tables")
+    t.add_argument("--max-rows", type=int, help="keep each table at most this many rows (restricted after "
+                                                "every batch; implies --policy frequency if none is given)")
+    t.add_argument("--min-count", type=int, help="admit a key only in the step it is seen for the "
+                                                 "min-count-th time (tfde.CounterFilter)")
     t.add_argument("--redis-config", help="Redis JSON config (TFRA format) for --backend redis; "
                                           "default: the file named by $TFDE_REDIS_CONFIG")
     t.add_argument("--progress", action="store_true", help="progress bar even when stdout is not a terminal")

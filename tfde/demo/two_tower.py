@@ -24,15 +24,18 @@ from tfde.demo.data import Interactions
 
 class TwoTower(tf.keras.Model):
     def __init__(self, embedding_dim: int = 64, output_dim: int = 32, temperature: float = 0.1,
-                 table_creator=None, seed: int = 0, **kwargs):
+                 table_creator=None, seed: int = 0, restrict_policy=None, min_count=None, **kwargs):
         super().__init__(**kwargs)
         init = tf.keras.initializers.RandomNormal(stddev=0.1, seed=seed)
-        self.user_embedding = tfde.keras.layers.Embedding(
-            embedding_dim, key_dtype=tf.string, initializer=init, table_creator=table_creator,
-            name="user-embedding")
-        self.item_embedding = tfde.keras.layers.Embedding(
-            embedding_dim, key_dtype=tf.int64, initializer=init, table_creator=table_creator,
-            name="item-embedding")
+
+        def embedding(key_dtype, name):
+            return tfde.keras.layers.Embedding(
+                embedding_dim, key_dtype=key_dtype, initializer=init, table_creator=table_creator,
+                restrict_policy=restrict_policy, name=name,
+                admission_filter=tfde.CounterFilter(min_count) if min_count else None)
+
+        self.user_embedding = embedding(tf.string, "user-embedding")
+        self.item_embedding = embedding(tf.int64, "item-embedding")
         dense_init = tf.keras.initializers.GlorotUniform(seed=seed)
         self.user_dense = tf.keras.layers.Dense(output_dim, kernel_initializer=dense_init, name="user-dense")
         self.item_dense = tf.keras.layers.Dense(output_dim, kernel_initializer=dense_init, name="item-dense")
@@ -92,6 +95,15 @@ def most_popular_recall(data: Interactions, k: int = 100, max_eval: int = 20_000
     return float(np.mean([int(t) in top for t in targets]))
 
 
+class TableSizes(tf.keras.callbacks.Callback):
+    """Prints the rows stored per table at the end of every epoch."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        sizes = {layer.name: int(layer.params.size()) for layer in (self.model.user_embedding,
+                                                                     self.model.item_embedding)}
+        print("table rows: " + ", ".join(f"{name} {n:,}" for name, n in sizes.items()))
+
+
 class ExamplesPerSecond(tf.keras.callbacks.Callback):
     """Adds examples/s of each epoch to the logs and prints it."""
 
@@ -126,15 +138,31 @@ def make_optimizer(name: str, learning_rate: float):
 
 def train(data: Interactions, epochs: int = 2, batch_size: int = 1024, embedding_dim: int = 64,
           learning_rate: float = 0.01, optimizer: str = "adam", seed: int = 0, table_creator=None,
-          verbose: int = 1, k: int = 100) -> dict:
-    """Trains the demo model; returns figures (loss, examples/s, recalls)."""
+          verbose: int = 1, k: int = 100, policy: str = None, max_rows: int = None, min_count: int = None) -> dict:
+    """Trains the demo model; returns figures (loss, examples/s, recalls).
+
+    policy: None, 'frequency' or 'timestamp' (restrict policy of both tables);
+    max_rows: keep each table at most this big (RestrictCallback, needs a
+    policy; 'frequency' if none given); min_count: CounterFilter admission."""
     tf.keras.utils.set_random_seed(seed)
-    model = TwoTower(embedding_dim=embedding_dim, table_creator=table_creator, seed=seed)
+    if max_rows and not policy:
+        policy = "frequency"
+    policies = {None: None, "frequency": tfde.FrequencyRestrictPolicy, "timestamp": tfde.TimestampRestrictPolicy}
+    if policy not in policies:
+        raise tfde.ConfigError(f"policy must be 'frequency' or 'timestamp', got {policy!r}")
+    model = TwoTower(embedding_dim=embedding_dim, table_creator=table_creator, seed=seed,
+                     restrict_policy=policies[policy], min_count=min_count)
     model.compile(optimizer=make_optimizer(optimizer, learning_rate),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rate = ExamplesPerSecond(batch_size, verbose=bool(verbose))
+    callbacks = [rate, TableSizes()] if verbose else [rate]
+    if max_rows:
+        # Trim to 90% when a table passes max_rows, so restriction (a scan of
+        # the table) runs every few batches rather than after every batch.
+        callbacks.append(tfde.keras.callbacks.RestrictCallback(max_size=max_rows,
+                                                               num_reserved=max(1, int(max_rows * 0.9))))
     ds = in_batch_dataset(data.train_users, data.train_items, batch_size, seed)
-    history = model.fit(ds, epochs=epochs, verbose=verbose, callbacks=[rate])
+    history = model.fit(ds, epochs=epochs, verbose=verbose, callbacks=callbacks)
     recall = recall_at_k(model, data, k)
     baseline = most_popular_recall(data, k)
     return {
