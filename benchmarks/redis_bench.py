@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -49,6 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--port", type=int, default=6379)
     p.add_argument("--buckets", type=int, default=2)
+    p.add_argument("--tfra-python", default=str(Path.home() / ".cache/tfde-anchors/tfra/bin/python"))
+    p.add_argument("--no-tfra", action="store_true", help="skip TFRA's Redis table")
     args = p.parse_args(argv)
 
     import redis
@@ -111,19 +115,36 @@ def main(argv=None) -> int:
         if stale:
             client.delete(*stale)
 
+    tfra = {}
+    if not args.no_tfra:
+        if not Path(args.tfra_python).exists():
+            print(f"TFRA venv missing ({args.tfra_python}); run ../shared/anchors/setup-tfra.sh or pass --no-tfra",
+                  file=sys.stderr)
+            return 2
+        proc = subprocess.run([args.tfra_python, str(HERE / "tfra_redis_side.py"), str(args.n), str(args.dim),
+                               str(args.batch), str(args.port), str(args.buckets), "7"], capture_output=True,
+                              text=True, env={**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"},
+                              timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"TFRA Redis side failed:\n{proc.stderr[-3000:]}")
+        tfra = json.loads(proc.stdout.strip().splitlines()[-1])
+
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores; TF {info['tf']}, tfde git {info['git']}; "
           f"redis-server on 127.0.0.1:{args.port}")
     print(f"{args.n:,} int64 keys, float32 rows of dim {args.dim}, batches of {args.batch}, {args.buckets} buckets;"
           " median of 7 alternating rounds")
-    print(f"\n{'operation':<10}{'tfde keys/s':>14}{'plain pipeline keys/s':>24}{'tfde/plain':>12}")
+    print(f"\n{'operation':<10}{'tfde keys/s':>14}{'plain pipeline keys/s':>24}{'tfde/plain':>12}"
+          f"{'TFRA Redis keys/s':>20}{'tfde/TFRA':>11}")
     for op in ("find", "insert"):
         ours, plain = results[f"tfde_{op}"], results[f"plain_{op}"]
-        print(f"{op:<10}{ours:>14,.0f}{plain:>24,.0f}{ours / plain:>11.0%}")
+        theirs = tfra.get(op)
+        print(f"{op:<10}{ours:>14,.0f}{plain:>24,.0f}{ours / plain:>11.0%}"
+              + (f"{theirs:>20,.0f}{ours / theirs:>10.2f}x" if theirs else f"{'-':>20}{'-':>11}"))
     out = HERE / "results" / f"redis-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": info, "n": args.n, "dim": args.dim, "batch": args.batch,
-                               "buckets": args.buckets, **results}, indent=1))
+                               "buckets": args.buckets, **results, "tfra": tfra}, indent=1))
     print(f"\nwritten: {out.relative_to(HERE.parent)}")
     return 0
 

@@ -304,3 +304,28 @@ def test_close_sets_expiry_and_open_clears_it(tag):
     assert 0 < client.ttl(f"{tag}:ttl:{{0}}") <= 600 and 0 < client.ttl(f"{tag}:ttl:meta") <= 600
     tfde.RedisTableCreator({"model_tag_runtime": tag}).create("ttl", tf.int64, tf.float32, 2)
     assert client.ttl(f"{tag}:ttl:{{0}}") == -1  # persistent again while in use
+
+
+# ------------------------------------------------------------ checkpoints
+
+def test_table_store_mode_1_is_refused_clearly():
+    with pytest.raises(tfde.ConfigError, match="table_store_mode 1 .* is not supported yet; use 0"):
+        tfde.RedisTableCreator({"table_store_mode": 1})
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+def test_table_store_mode_in_checkpoints(tag, tmp_path, mode):
+    creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "table_store_mode": mode,
+                                      "model_lib_abs_dir": str(tmp_path / "lib")})
+    var = tfde.Variable("store", key_dtype=tf.string, dim=2, initializer=0.0, table_creator=creator)
+    var.upsert(tf.constant(["a", "b"]), tf.constant([[1.0, 1.0], [2.0, 2.0]]))
+    path = tf.train.Checkpoint(var=var).save(str(tmp_path / "ck"))
+    var.clear()
+    var.upsert(tf.constant(["c"]), tf.constant([[3.0, 3.0]]))
+    tf.train.Checkpoint(var=var).restore(path)
+    rows, exists = var.lookup(tf.constant(["a", "b", "c"]), return_exists=True)
+    if mode == 2:  # Redis is the source of truth: the checkpoint held nothing
+        assert exists.numpy().tolist() == [False, False, True]
+    else:
+        assert exists.numpy().tolist() == [True, True, False]
+        assert rows.numpy().tolist()[:2] == [[1.0, 1.0], [2.0, 2.0]]

@@ -80,7 +80,7 @@ class RedisTableConfig:
     model_tag_runtime: str = "test"
     redis_hash_tags_runtime: Tuple[str, ...] = ()
     expire_model_tag_in_seconds: int = 604800
-    table_store_mode: int = 1
+    table_store_mode: int = 2
     model_lib_abs_dir: str = "/tmp/"
 
     def __post_init__(self):

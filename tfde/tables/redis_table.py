@@ -33,6 +33,7 @@ import uuid
 import msgpack
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.trackable import base as trackable_base
 
 from tfde import _native
 from tfde.errors import BackendUnavailableError, ConfigError, ShapeError
@@ -151,8 +152,14 @@ def _connect(cfg: RedisTableConfig):
     return client, client
 
 
-class RedisTable(Table):
+class RedisTable(Table, trackable_base.Trackable):
     """A table stored in Redis hashes (see the module docstring for the layout).
+
+    Checkpoints (tf.train.Checkpoint) follow table_store_mode: 0 puts every
+    key and row into the checkpoint; 2 puts nothing in: Redis is the source
+    of truth.  1 (dumps to files in model_lib_abs_dir) is refused for now:
+    TensorFlow also serializes objects while restoring, so a dump there
+    would rewrite the files on every restore.
 
     Thread-safety: every method may be called from several threads; each
     command is atomic on the server, accum is atomic per key (Lua)."""
@@ -336,6 +343,12 @@ class RedisTable(Table):
 
         rb = self._row_bytes
         for (b, chunk), values in zip(plan, self._call("find", run)):
+            if None not in values:  # all stored: one join, one copy
+                joined = b"".join(values)
+                if len(joined) == len(values) * rb:
+                    out[chunk] = np.frombuffer(joined, np.uint8).reshape(len(values), rb)
+                    exists[chunk] = True
+                    continue
             present = np.fromiter((v is not None for v in values), bool, len(values))
             found = [v for v in values if v is not None]
             joined = b"".join(found)
@@ -539,6 +552,33 @@ class RedisTable(Table):
         keys.set_shape([None])
         return keys, self._bytes_to_rows(raw), nxt
 
+    # -------------------------------------------------------- checkpoints
+
+    def _np_export_all(self):
+        keys, rows = [], []
+        for field, value in self._scan_rows():
+            keys.append(field)
+            rows.append(np.frombuffer(value, np.uint8))
+        k = self._keys_from_fields(keys) if keys else np.zeros(
+            0, object if self._key_width is None else self.key_dtype.as_numpy_dtype)
+        r = np.stack(rows) if rows else np.zeros((0, self._row_bytes), np.uint8)
+        return k, r.view(self.value_dtype.as_numpy_dtype).reshape(len(keys), self.dim)
+
+    def _serialize_to_tensors(self):
+        if self.config.table_store_mode == 2:
+            return {}
+        keys, rows = tf.numpy_function(self._np_export_all, [], [self.key_dtype, self.value_dtype],
+                                       stateful=True, name="tfde_redis_export_all")
+        return {"keys": keys, "values": rows}
+
+    def _restore_from_tensors(self, restored_tensors):
+        if self.config.table_store_mode == 2 or not restored_tensors:
+            return tf.no_op()
+        keys, rows = restored_tensors["keys"], tf.reshape(restored_tensors["values"], [-1, self.dim])
+        cleared = self.clear()
+        with tf.control_dependencies([cleared]):
+            return self.insert(keys, rows)
+
     def __repr__(self):
         return (f"RedisTable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}], "
                 f"{self.config.describe_servers()}, buckets={len(self._buckets)})")
@@ -551,6 +591,9 @@ class RedisTableCreator(TableCreator):
 
     def __init__(self, config=None):
         self.config = RedisTableConfig.load(config)
+        if self.config.table_store_mode == 1:
+            raise ConfigError("table_store_mode 1 (rows dumped to files in model_lib_abs_dir) is not supported "
+                              "yet; use 0 (rows saved in TF checkpoints) or 2 (Redis is the source of truth)")
         self._clients = None
         self.tables = []
 
