@@ -177,3 +177,31 @@ def test_probability_filter_is_deterministic_per_key():
         for _ in range(3):
             train_step(var, opt, list(range(1000)))
     assert stored(a) == stored(b) and 230 < len(stored(a)) < 370  # ~30% of 1000, same keys on both
+
+
+@pytest.mark.parametrize("backend", ["cuckoo", "redis"])
+def test_policy_and_admission_inside_tf_function(backend, tmp_path):
+    creator, cleanup = tfde.CuckooTableCreator(), lambda: None
+    if backend == "redis":
+        name, creator, cleanup = next(c for c in creators() if c[0] == "redis")
+    try:
+        var = tfde.Variable(f"pol-fn-{backend}", dim=2, table_creator=creator,
+                            restrict_policy=tfde.FrequencyRestrictPolicy, admission_filter=tfde.CounterFilter(2))
+        opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+
+        @tf.function
+        def step(ids):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tfde.embedding_lookup(var, ids, training=True))
+            opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+
+        step(tf.constant([1, 2], tf.int64))
+        assert stored(var) == set()  # seen once: not admitted
+        step(tf.constant([1, 3], tf.int64))
+        step(tf.constant([1, 3], tf.int64))
+        assert stored(var) == {1, 3}
+        counts = var.slots["policy-frequency"].lookup(tf.constant([1, 3], tf.int64)).numpy()[:, 0]
+        assert counts.tolist() == [2.0, 1.0]  # counted from admission on
+        assert var.restrict(1) == 1 and stored(var) == {1}
+    finally:
+        cleanup()
