@@ -158,14 +158,16 @@ class DynamicEmbeddingMixin:
 
     def _tfde_apply_rows(self, p: _SparseGrad):
         var, rule = p.var, self._tfde_rule
+        # One read of the step's rows serves the admission decision (which
+        # keys are stored) and the update.
+        all_rows, stored = var._find(p.keys, for_update=True)
         keep = tf.reduce_all(tf.math.is_finite(p.grads), axis=1)
         if var.admission_filter is not None:
-            stored = var._find(p.keys)[1]
             keep = keep & var.admission_filter.admit(p.keys, stored)
         keys = tf.boolean_mask(p.keys, keep)
         g = tf.boolean_mask(p.grads, keep)
         compute = g.dtype
-        rows = tf.cast(var._find(keys, for_update=True)[0], compute)
+        rows = tf.cast(tf.boolean_mask(all_rows, keep), compute)
         slot_vars = {name: var.slot(name, init) for name, init in rule.slots(self)}
         slots = {name: tf.cast(s._find(keys)[0], compute) for name, s in slot_vars.items()}
         lr = tf.cast(current_learning_rate(self), compute)

@@ -115,8 +115,7 @@ class CuckooShard {
 
   // row_value_bytes: bytes of one row's value.
   explicit CuckooShard(int64_t row_value_bytes, int64_t expected_rows)
-      : value_bytes_(row_value_bytes),
-        key_bytes_(Traits::kInline ? 8 : 0),
+      : key_bytes_(Traits::kInline ? 8 : 0),
         stride_(RoundUp8(key_bytes_ + row_value_bytes)),
         first_chunk_log2_(FirstChunkLog2(expected_rows)) {
     InitBuckets(BucketsFor(expected_rows));
@@ -389,7 +388,6 @@ class CuckooShard {
     chunks_.clear();
   }
 
-  const int64_t value_bytes_;  // bytes of one value row; fixed for the table's life
   const int64_t key_bytes_;    // 8 when the key is stored inline, else 0
   const int64_t stride_;       // bytes between consecutive rows in a chunk
   const int first_chunk_log2_; // arena chunk c holds 2^(first_chunk_log2_ + c) rows

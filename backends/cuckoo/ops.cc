@@ -207,6 +207,20 @@ class CreateTableOp : public OpKernel {
 
 // ---------------------------------------------------------------- base
 
+// The table behind input 0, or nullptr (and a failed ctx) when there is none.
+TableResource* ResolveAny(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<TableResource>* holder) {
+  TableResource* raw = nullptr;
+  auto status = ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 0), &raw);
+  if (!status.ok()) {
+    ctx->CtxFailure(errors::FailedPrecondition(
+        "tfde table not found (was it destroyed, or created in another process?): ", status.message()));
+    return nullptr;
+  }
+  holder->reset(raw);
+  return raw;
+}
+
+
 // Resolves input 0 to a table whose key dtype is TK; checks `keys` (input 1)
 // is a vector and, when the op has a Tvalue attr, that it matches the table.
 template <class TK>
@@ -225,14 +239,8 @@ class TableOpBase : public OpKernel {
 
   // Returns nullptr (and fails ctx) when the handle or dtypes are wrong.
   TypedTable<K>* Resolve(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<TableResource>* holder) {
-    TableResource* raw = nullptr;
-    auto status = ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 0), &raw);
-    if (!status.ok()) {
-      ctx->CtxFailure(errors::FailedPrecondition(
-          "tfde table not found (was it destroyed, or created in another process?): ", status.message()));
-      return nullptr;
-    }
-    holder->reset(raw);
+    TableResource* raw = ResolveAny(ctx, holder);
+    if (raw == nullptr) return nullptr;
     const DataType want_key = ::tensorflow::DataTypeToEnum<TK>::value;
     if (raw->key_dtype() != want_key) {
       ctx->CtxFailure(errors::InvalidArgument("keys are ", DataTypeString(want_key), " but the table is a ",
@@ -462,18 +470,6 @@ class RemoveOp : public TableOpBase<TK> {
     TFDE_CATCH(ctx, "remove")
   }
 };
-
-// Ops that need only the handle resolve it without knowing the key dtype.
-TableResource* ResolveAny(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<TableResource>* holder) {
-  TableResource* raw = nullptr;
-  auto status = ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 0), &raw);
-  if (!status.ok()) {
-    ctx->CtxFailure(errors::FailedPrecondition("tfde table not found: ", status.message()));
-    return nullptr;
-  }
-  holder->reset(raw);
-  return raw;
-}
 
 template <class Fn>
 void WithTypedTable(TableResource* t, Fn fn) {
