@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+TFRA_PYTHON = os.environ.get("TFRA_PYTHON", str(Path.home() / ".cache/tfde-anchors/tfra/bin/python"))
 
 
 def alternate(fns: dict, keys_per_call: int, repeats: int = 7) -> dict:
@@ -44,34 +45,25 @@ def alternate(fns: dict, keys_per_call: int, repeats: int = 7) -> dict:
     return {name: keys_per_call / statistics.median(ts) for name, ts in times.items()}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=200_000)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--port", type=int, default=6379)
-    p.add_argument("--buckets", type=int, default=2)
-    p.add_argument("--tfra-python", default=str(Path.home() / ".cache/tfde-anchors/tfra/bin/python"))
-    p.add_argument("--no-tfra", action="store_true", help="skip TFRA's Redis table")
-    args = p.parse_args(argv)
-
+def measure(n: int = 200_000, dim: int = 64, batch: int = 4096, port: int = 6379, buckets: int = 2,
+            with_tfra: bool = True) -> dict:
+    """keys/s of tfde's RedisTable, a plain redis-py pipeline and TFRA's Redis table."""
     import redis
     import tensorflow as tf
 
     import tfde
-    from benchmarks.table_bench import machine
 
     tag = f"tfde-bench-{uuid.uuid4().hex[:8]}"
-    creator = tfde.RedisTableCreator({"redis_host_port": args.port, "model_tag_runtime": tag,
-                                      "storage_slice": args.buckets, "keys_sending_size": 1024})
-    table = creator.create("bench", tf.int64, tf.float32, args.dim)
+    creator = tfde.RedisTableCreator({"redis_host_port": port, "model_tag_runtime": tag,
+                                      "storage_slice": buckets, "keys_sending_size": 1024})
+    table = creator.create("bench", tf.int64, tf.float32, dim)
     rng = np.random.default_rng(0)
-    keys = rng.choice(1 << 62, size=args.n, replace=False).astype(np.int64)
-    vals = rng.standard_normal((args.n, args.dim), dtype=np.float32)
-    batches = [slice(s, s + args.batch) for s in range(0, args.n, args.batch)]
+    keys = rng.choice(1 << 62, size=n, replace=False).astype(np.int64)
+    vals = rng.standard_normal((n, dim), dtype=np.float32)
+    batches = [slice(s, s + batch) for s in range(0, n, batch)]
     kt = [tf.constant(keys[b]) for b in batches]
     vt = [tf.constant(vals[b]) for b in batches]
-    zeros = tf.zeros([1, args.dim])
+    zeros = tf.zeros([1, dim])
 
     def tfde_insert():
         for k, v in zip(kt, vt):
@@ -82,7 +74,7 @@ def main(argv=None) -> int:
             table.find(k, zeros)[0].numpy()
 
     # The plain pipeline: same buckets, fields and bytes, precomputed.
-    client = redis.Redis(port=args.port)
+    client = redis.Redis(port=port)
     hashes = tfde.hashing.stable_hash(tf.constant(keys)).numpy()
     plans = []
     for b in batches:
@@ -108,44 +100,58 @@ def main(argv=None) -> int:
                 np.frombuffer(b"".join(values), np.float32)
 
     try:
-        results = alternate({"plain_insert": plain_insert, "tfde_insert": tfde_insert}, args.n)
-        results.update(alternate({"plain_find": plain_find, "tfde_find": tfde_find}, args.n))
+        results = alternate({"plain_insert": plain_insert, "tfde_insert": tfde_insert}, n)
+        results.update(alternate({"plain_find": plain_find, "tfde_find": tfde_find}, n))
     finally:
         stale = list(client.scan_iter(match=f"{tag}:*"))
         if stale:
             client.delete(*stale)
 
     tfra = {}
-    if not args.no_tfra:
-        if not Path(args.tfra_python).exists():
-            print(f"TFRA venv missing ({args.tfra_python}); run ../shared/anchors/setup-tfra.sh or pass --no-tfra",
-                  file=sys.stderr)
-            return 2
-        proc = subprocess.run([args.tfra_python, str(HERE / "tfra_redis_side.py"), str(args.n), str(args.dim),
-                               str(args.batch), str(args.port), str(args.buckets), "7"], capture_output=True,
-                              text=True, env={**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"},
+    if with_tfra:
+        proc = subprocess.run([TFRA_PYTHON, str(HERE / "tfra_redis_side.py"), str(n), str(dim), str(batch),
+                               str(port), str(buckets), "7"], capture_output=True, text=True,
+                              env={**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"},
                               timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"TFRA Redis side failed:\n{proc.stderr[-3000:]}")
         tfra = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"n": n, "dim": dim, "batch": batch, "buckets": buckets, "port": port, **results, "tfra": tfra}
 
-    info = machine()
-    print(f"machine: {info['cpu']}, {info['cores']} cores; TF {info['tf']}, tfde git {info['git']}; "
-          f"redis-server on 127.0.0.1:{args.port}")
-    print(f"{args.n:,} int64 keys, float32 rows of dim {args.dim}, batches of {args.batch}, {args.buckets} buckets;"
-          " median of 7 alternating rounds")
-    print(f"\n{'operation':<10}{'tfde keys/s':>14}{'plain pipeline keys/s':>24}{'tfde/plain':>12}"
-          f"{'TFRA Redis keys/s':>20}{'tfde/TFRA':>11}")
+
+def report(r: dict) -> list:
+    lines = [f"Redis (127.0.0.1:{r['port']}): {r['n']:,} int64 keys, float32 rows of dim {r['dim']}, batches of "
+             f"{r['batch']}, {r['buckets']} buckets; median of 7 alternating rounds",
+             f"{'redis op':<14}{'tfde keys/s':>14}{'TFRA keys/s':>14}{'tfde/TFRA':>11}{'plain pipeline':>16}"
+             f"{'tfde/plain':>12}"]
     for op in ("find", "insert"):
-        ours, plain = results[f"tfde_{op}"], results[f"plain_{op}"]
-        theirs = tfra.get(op)
-        print(f"{op:<10}{ours:>14,.0f}{plain:>24,.0f}{ours / plain:>11.0%}"
-              + (f"{theirs:>20,.0f}{ours / theirs:>10.2f}x" if theirs else f"{'-':>20}{'-':>11}"))
-    out = HERE / "results" / f"redis-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "n": args.n, "dim": args.dim, "batch": args.batch,
-                               "buckets": args.buckets, **results, "tfra": tfra}, indent=1))
-    print(f"\nwritten: {out.relative_to(HERE.parent)}")
+        ours, plain, theirs = r[f"tfde_{op}"], r[f"plain_{op}"], r["tfra"].get(op)
+        lines.append(f"{op:<14}{ours:>14,.0f}" + (f"{theirs:>14,.0f}{ours / theirs:>10.2f}x" if theirs else
+                                                    f"{'-':>14}{'-':>11}") + f"{plain:>16,.0f}{ours / plain:>11.0%}")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=200_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--port", type=int, default=6379)
+    p.add_argument("--buckets", type=int, default=2)
+    p.add_argument("--no-tfra", action="store_true", help="skip TFRA's Redis table")
+    args = p.parse_args(argv)
+    from benchmarks.table_bench import machine, write_results
+
+    if not args.no_tfra and not Path(TFRA_PYTHON).exists():
+        print(f"TFRA venv missing ({TFRA_PYTHON}); run ../shared/anchors/setup-tfra.sh or pass --no-tfra",
+              file=sys.stderr)
+        return 2
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores; TF {info['tf']}, tfde git {info['git']}")
+    r = measure(args.n, args.dim, args.batch, args.port, args.buckets, not args.no_tfra)
+    print("\n".join(report(r)))
+    path = write_results("redis", {"machine": info, **r})
+    print(f"\nwritten: {path.relative_to(HERE.parent)}")
     return 0
 
 

@@ -1,0 +1,152 @@
+"""What both sides of a side-by-side benchmark share: inputs, timing and the
+table operations themselves.
+
+This module imports only numpy and the standard library (TensorFlow is passed
+in), so the reference side can import it from TFRA's own venv (TF 2.16.2)
+and run exactly the same measurement code as tfde's side:
+
+    sys.path.insert(0, "<repo>/benchmarks"); import common
+
+A side supplies a `TableAdapter`: five methods that call its system's API for
+one op on the whole batch given.  `table_ops` then times every op the same way
+for both systems.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+
+REPEATS = 5           # timed repeats per op, after one warm-up; the figure is their median
+BATCHES = 200         # training-sized batches per repeat of a batch op
+ZIPF_A = 1.2          # skew of the Zipf batches (like ../shared/anchors/tfra_table_bench.py)
+EXPORT_CHUNK = 1 << 18  # rows per export chunk where a system exports in chunks
+
+
+def timeit(fn, repeats: int = REPEATS, setup=None) -> float:
+    """Median seconds of `repeats` calls of fn() after one warm-up call;
+    setup() runs untimed before every call (e.g. to re-insert removed keys)."""
+    ts = []
+    for i in range(repeats + 1):
+        if setup is not None:
+            setup()
+        t = time.perf_counter()
+        fn()
+        if i:
+            ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def table_inputs(n: int, dim: int, batch: int, seed: int = 0) -> dict:
+    """The inputs of the table benchmark, identical for both systems.
+
+    keys  [n] int64, distinct, uniform over [0, 2**62)  (stored keys)
+    vals  [n, dim] float32 standard normal
+    miss  [n] int64, distinct, never stored (bit 62 set)
+    batch_uniform / batch_zipf  [BATCHES, batch] int64: training-sized
+        batches drawn from the stored keys uniformly / with Zipf(1.2) skew
+        (rank r drawn with probability ~ r**-1.2, so a few keys dominate and
+        batches hold many duplicates, as real id streams do).
+    The first four arrays are drawn exactly as the anchor script draws them."""
+    rng = np.random.default_rng(seed)
+    keys = rng.choice(1 << 62, size=n, replace=False).astype(np.int64)
+    vals = rng.standard_normal((n, dim), dtype=np.float32)
+    miss = rng.choice(1 << 62, size=n, replace=False).astype(np.int64) | (1 << 62)
+    zipf_idx = np.minimum(rng.zipf(ZIPF_A, size=(BATCHES, batch)) - 1, n - 1)
+    uniform_idx = rng.integers(0, n, size=(BATCHES, batch))
+    return {"keys": keys, "vals": vals, "miss": miss, "batch_zipf": keys[zipf_idx], "batch_uniform": keys[uniform_idx]}
+
+
+class TableAdapter:
+    """One system's API, op by op.  Every method acts on whole tensors and
+    returns only when the op has finished (results materialized)."""
+
+    def upsert(self, keys, vals): ...
+    def find(self, keys): ...            # must materialize the rows (e.g. .numpy())
+    def accum(self, keys, deltas): ...   # add deltas to existing rows
+    def remove(self, keys): ...
+    def export_rows(self) -> int: ...    # exports every row; returns the row count
+    def batch_find_fn(self): ...         # a tf.function keys -> rows, traced once
+    def batch_upsert_fn(self): ...       # a tf.function (keys, rows) -> None
+
+
+def table_ops(tf, adapter: TableAdapter, inp: dict) -> dict:
+    """keys/s of each op, measured identically for every system."""
+    keys, vals, miss = (tf.constant(inp[k]) for k in ("keys", "vals", "miss"))
+    n = int(keys.shape[0])
+    out = {}
+    t = time.perf_counter()
+    adapter.upsert(keys, vals)  # into an empty table, like the anchor: timed once
+    out["insert_new"] = n / (time.perf_counter() - t)
+    out["insert_existing"] = n / timeit(lambda: adapter.upsert(keys, vals))
+    out["find_hit"] = n / timeit(lambda: adapter.find(keys))
+    out["find_miss"] = n / timeit(lambda: adapter.find(miss))
+    out["accum_existing"] = n / timeit(lambda: adapter.accum(keys, vals))
+    exported = []
+    out["export_all"] = n / timeit(lambda: exported.append(adapter.export_rows()), repeats=3)
+    if exported[-1] != n:
+        raise RuntimeError(f"export returned {exported[-1]} rows, expected {n}")
+    out["remove"] = n / timeit(lambda: adapter.remove(keys), repeats=3, setup=lambda: adapter.upsert(keys, vals))
+    adapter.upsert(keys, vals)
+    find_fn, upsert_fn = adapter.batch_find_fn(), adapter.batch_upsert_fn()
+    rows = tf.constant(inp["vals"][: inp["batch_zipf"].shape[1]])
+    for dist in ("uniform", "zipf"):
+        batches = [tf.constant(b) for b in inp[f"batch_{dist}"]]
+        keys_per_repeat = sum(int(b.shape[0]) for b in batches)
+
+        def finds():
+            for b in batches:
+                find_fn(b)
+
+        def upserts():
+            for b in batches:
+                upsert_fn(b, rows)
+
+        out[f"find_batch_{dist}"] = keys_per_repeat / timeit(finds)
+        out[f"upsert_batch_{dist}"] = keys_per_repeat / timeit(upserts)
+    return out
+
+
+def memory_probe(tf, upsert, n: int, dim: int, chunk: int = 1 << 16) -> float:
+    """RSS growth per stored row while `upsert(keys, rows)` inserts n fresh
+    keys in chunks (no big temporaries to reuse; run in a fresh process)."""
+    rng = np.random.default_rng(0)
+    upsert(tf.constant([1 << 62], tf.int64), tf.zeros([1, dim]))  # warm up the ops and the allocator
+    rows = tf.zeros([chunk, dim])
+    before = rss_bytes()
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        upsert(tf.constant(rng.integers(0, 1 << 62, m), tf.int64), rows[:m])
+    return (rss_bytes() - before) / n
+
+
+# ---------------------------------------------------------------- end to end
+
+def recall_at_k(user_vecs: np.ndarray, item_vecs: np.ndarray, target_pos: np.ndarray, k: int = 100) -> float:
+    """Fraction of rows whose target item index is among the k items with the
+    highest dot product.  user_vecs [u, d], item_vecs [m, d], target_pos [u]."""
+    hits = 0
+    for s in range(0, len(user_vecs), 2048):
+        scores = user_vecs[s:s + 2048] @ item_vecs.T
+        top = np.argpartition(-scores, min(k, scores.shape[1] - 1), axis=1)[:, :k]
+        hits += int(np.sum(np.any(top == target_pos[s:s + 2048, None], axis=1)))
+    return hits / len(user_vecs)
+
+
+def steady_rate(batch_end_times: list, batch_size: int, skip: int = 20, window: int = 50) -> float:
+    """Median examples/s over windows of `window` steps, skipping the first
+    `skip` steps (tracing, warm-up)."""
+    skip, window = min(skip, len(batch_end_times) // 5), min(window, len(batch_end_times) // 5)
+    t = batch_end_times[skip:]
+    rates = [window * batch_size / (t[i + window] - t[i]) for i in range(0, len(t) - window, window)]
+    if not rates:
+        raise ValueError(f"too few steps ({len(batch_end_times)}) for a rate over {window}-step windows")
+    return statistics.median(rates)
