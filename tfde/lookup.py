@@ -49,8 +49,7 @@ def _rows_for_unique(var: Variable, flat_ids, training):
     unique, positions = tf.unique(flat_ids, out_idx=tf.int32)
     if _use_buffer(var, training):
         return var._trainable_lookup(unique, positions)
-    rows, _ = var._find(unique)
-    return tf.gather(rows, positions)
+    return tf.gather(var._read_unique(unique), positions)
 
 
 def embedding_lookup(var: Variable, ids, training: Optional[bool] = None, name: Optional[str] = None):

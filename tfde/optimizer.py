@@ -27,6 +27,7 @@ from typing import List
 
 import tensorflow as tf
 
+from tfde import exchange as _exchange
 from tfde.errors import UnsupportedOptimizerError
 from tfde.optimizer_rules import RULES, SUPPORTED_NAMES, hp
 
@@ -121,17 +122,33 @@ class DynamicEmbeddingMixin:
     # ---------------------------------------------------------------- internals
 
     def _tfde_prepare(self, grad, var):
+        ex = _exchange.active()
         if grad is None:
-            return None
+            if ex is None:
+                return None
+            # Another worker may have a gradient for this Variable: take part
+            # in the all-reduce with zeros.
+            grad = tf.zeros([var._step_size(), var.dim], var.value_dtype)
         if isinstance(grad, tf.IndexedSlices):
             indices, values = grad.indices, grad.values
         else:
             values = tf.convert_to_tensor(grad)
             indices = tf.range(tf.shape(values)[0])
+        compute = tf.float32 if var.value_dtype in (tf.float16, tf.bfloat16) else var.value_dtype
+        values = tf.cast(values, compute)
+        if ex is not None:
+            # The step buffer is the same on every worker (tfde/exchange.py):
+            # sum the gradients of all workers per buffer row.
+            if hp(self, "global_clipnorm", None) is not None:
+                raise UnsupportedOptimizerError(
+                    "global_clipnorm is not supported in distributed training with tfde Variables yet; use "
+                    "clipnorm or clipvalue")
+            rows = var._step_size()
+            values = ex.all_reduce_sum(tf.math.unsorted_segment_sum(values, indices, rows))
+            indices = tf.range(rows)
         keys = var._step_keys(indices)
         unique, seg = tf.unique(keys, out_idx=tf.int32)
-        compute = tf.float32 if var.value_dtype in (tf.float16, tf.bfloat16) else var.value_dtype
-        summed = tf.math.unsorted_segment_sum(tf.cast(values, compute), seg, tf.size(unique))
+        summed = tf.math.unsorted_segment_sum(values, seg, tf.size(unique))
         scale = hp(self, "loss_scale_factor", None)
         if scale is not None:
             summed = summed / tf.cast(scale, compute)
@@ -158,6 +175,10 @@ class DynamicEmbeddingMixin:
 
     def _tfde_apply_rows(self, p: _SparseGrad):
         var, rule = p.var, self._tfde_rule
+        ex = _exchange.active()
+        if ex is not None:  # every worker holds every gradient; each key's owner applies it
+            owned = _exchange.owned_mask(ex, p.keys)
+            p = _SparseGrad(var, tf.boolean_mask(p.keys, owned), tf.boolean_mask(p.grads, owned))
         # One read of the step's rows serves the admission decision (which
         # keys are stored) and the update.
         all_rows, stored = var._find(p.keys, for_update=True)

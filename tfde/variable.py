@@ -26,6 +26,7 @@ from typing import Iterator, Optional, Tuple
 
 import tensorflow as tf
 
+from tfde import exchange as _exchange
 from tfde import initializers as _init
 from tfde.errors import ConfigError, ShapeError
 from tfde.hashing import shard_index
@@ -87,10 +88,13 @@ class Variable(tf.Module):
             self._tables = [self.table_creator.create(self._table_name(i), self.key_dtype, self.value_dtype, dim)
                             for i in range(num_shards)]
             if self.trainable:
-                self._rows_buffer = tf.Variable(tf.zeros([0, dim], self.value_dtype), shape=tf.TensorShape([None, dim]),
-                                                trainable=True, name=f"{self.name}/step_rows")
-                self._keys_buffer = tf.Variable(tf.zeros([0], self.key_dtype), shape=tf.TensorShape([None]),
-                                                trainable=False, name=f"{self.name}/step_keys")
+                # Plain ResourceVariables, built directly so that a
+                # tf.distribute strategy in scope does not mirror them: the
+                # step buffer belongs to this process (see tfde/exchange.py).
+                self._rows_buffer = _local_variable(tf.zeros([0, dim], self.value_dtype), [None, dim], True,
+                                                    f"{self.name}/step_rows")
+                self._keys_buffer = _local_variable(tf.zeros([0], self.key_dtype), [None], False,
+                                                    f"{self.name}/step_keys")
                 self._rows_buffer._tfde_variable = self  # how the optimizer finds its way back
         self._slots = {}
         self.restrict_policy = None
@@ -188,12 +192,13 @@ class Variable(tf.Module):
         With return_exists=True also returns a bool tensor of keys.shape
         telling which keys are stored."""
         keys = tf.convert_to_tensor(keys, dtype_hint=self.key_dtype) if not tf.is_tensor(keys) else keys
+        find = self._find if _exchange.active() is None else self._find_everywhere
         if keys.shape.rank == 1:  # the common case needs no reshapes
-            values, exists = self._find(self._keys(keys))
+            values, exists = find(self._keys(keys))
             return (values, exists) if return_exists else values
         shape = tf.shape(keys)
         flat = self._keys(tf.reshape(keys, [-1]))
-        values, exists = self._find(flat)
+        values, exists = find(flat)
         values = tf.reshape(values, tf.concat([shape, [self.dim]], 0))
         if keys.shape.rank is not None:
             values.set_shape(keys.shape.concatenate([self.dim]))
@@ -289,15 +294,46 @@ class Variable(tf.Module):
 
     # ------------------------------------------------------------ step buffer
 
+    def _find_everywhere(self, flat_keys):
+        """(rows, exists) of keys that may be owned by any worker of the
+        active exchange (tfde/exchange.py); every worker must call it."""
+        ex = _exchange.active()
+        unique, positions = tf.unique(flat_keys, out_idx=tf.int32)
+
+        def find(keys):
+            rows, exists = self._find(keys)
+            return tf.concat([rows, tf.cast(exists, rows.dtype)[:, None]], 1)
+
+        _, found, mine = _exchange.gather_rows(ex, unique, find)
+        found = tf.gather(found, tf.gather(mine, positions))
+        return found[:, :self.dim], found[:, self.dim] > 0
+
+    def _read_unique(self, unique_keys):
+        """Rows of deduplicated keys for a plain (non-training) read."""
+        if _exchange.active() is None:
+            return self._find(unique_keys)[0]
+        return self._find_everywhere(unique_keys)[0]
+
     def _trainable_lookup(self, unique_keys, positions):
         """Appends rows of `unique_keys` to the step buffer and gathers the
         rows at `positions` (indices into unique_keys) from it, so the
-        gradient reaches the buffer."""
-        rows, _ = self._find(unique_keys)
-        offset = tf.raw_ops.VariableShape(input=self._rows_buffer.handle, out_type=tf.int32)[0]
+        gradient reaches the buffer.  Under an exchange the buffer holds the
+        rows of every worker's keys, in the same order on all workers."""
+        ex = _exchange.active()
+        if ex is None:
+            rows, _ = self._find(unique_keys)
+        else:
+            _check_one_replica_per_process()
+            unique_keys, rows, mine = _exchange.gather_rows(ex, unique_keys, lambda k: self._find(k)[0])
+            positions = tf.gather(mine, positions)
+        offset = self._step_size()
         self._rows_buffer.assign(tf.concat([self._rows_buffer.read_value(), rows], 0))
         self._keys_buffer.assign(tf.concat([self._keys_buffer.read_value(), unique_keys], 0))
         return tf.gather(self._rows_buffer, positions + offset)
+
+    def _step_size(self):
+        """Rows in the step buffer now (int32 scalar)."""
+        return tf.raw_ops.VariableShape(input=self._rows_buffer.handle, out_type=tf.int32)[0]
 
     def _step_keys(self, indices):
         return tf.gather(self._keys_buffer, indices)
@@ -305,6 +341,26 @@ class Variable(tf.Module):
     def _reset_step_buffer(self):
         return tf.group(self._rows_buffer.assign(tf.zeros([0, self.dim], self.value_dtype)),
                         self._keys_buffer.assign(tf.zeros([0], self.key_dtype)))
+
+
+def _local_variable(initial, shape, trainable, name):
+    from tensorflow.python.ops import resource_variable_ops
+
+    # distribute_strategy marks the variable as created in the strategy's
+    # scope (Keras checks that) without the strategy mirroring it.
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    return resource_variable_ops.ResourceVariable(initial, shape=tf.TensorShape(shape), trainable=trainable,
+                                                  name=name, distribute_strategy=strategy)
+
+
+def _check_one_replica_per_process():
+    strategy = tf.distribute.get_strategy()
+    devices = getattr(strategy.extended, "worker_devices", ())
+    if len(devices) > 1:
+        raise ConfigError(
+            f"tfde trains with one replica per process, but {type(strategy).__name__} runs "
+            f"{len(devices)} replicas here ({', '.join(devices)}); use MultiWorkerMirroredStrategy with one device "
+            "per worker process (see the README, 'Distributed training')")
 
 
 def get_variable(name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1, initializer=None,

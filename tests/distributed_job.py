@@ -1,0 +1,157 @@
+"""One worker of a small synchronous training job, for tests/test_distributed.py.
+
+  python tests/distributed_job.py CONFIG.json WORKER_INDEX
+
+CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "sgd" | "adam",
+         "layout": "cuckoo" | "redis", "redis": {...config...} or null, "steps": T,
+         "global_batch": G, "out": "prefix"}
+
+The data are fixed: T global batches of G examples (string user id, int64
+item id, label), the same for every run; the custom loop adds a short last
+batch split unevenly.  Worker w of N trains on its slice of each global
+batch, so N workers see exactly the examples one worker sees with the whole
+batch.  With N > 1 the job runs under
+MultiWorkerMirroredStrategy (TF_CONFIG on loopback); with N == 1 under no
+strategy.  At the end each worker writes OUT-wW.npz: the rows and optimizer
+slots it stores (its shard; for the Redis layout worker 0 writes the shared
+tables) and the dense weights.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+cfg = json.load(open(sys.argv[1]))
+index = int(sys.argv[2])
+N, T, G = cfg["workers"], cfg["steps"], cfg["global_batch"]
+if N > 1:
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in cfg["ports"]]},
+                                          "task": {"type": "worker", "index": index}})
+
+import tensorflow as tf  # noqa: E402
+
+import tfde  # noqa: E402
+
+rng = np.random.default_rng(7)
+# Global batch sizes: T of G; the custom loop adds a short, unevenly split
+# last batch (worker 0 gets 3 more examples than worker 1).
+sizes = [G] * T + ([G // 2 + 3] if cfg["engine"] == "loop" else [])
+total = sum(sizes)
+# Skewed ids, so that batches share keys across workers and some steps give a
+# worker no key that is new to the table.
+all_users = np.array([f"u{int(i)}" for i in rng.zipf(1.3, size=total) % 97])
+all_items = (rng.zipf(1.2, size=total) % 211).astype(np.int64) * 1_000_003
+all_labels = rng.random(total).astype(np.float32)
+parts, start = [], 0
+for size in sizes:  # this worker's slice of each global batch
+    part = np.array_split(np.arange(start, start + size), N)[index]
+    parts.append(part)
+    start += size
+mine = np.concatenate(parts)
+users, items, labels = all_users[mine], all_items[mine], all_labels[mine]
+part_starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
+part_sizes = np.array([len(p) for p in parts], np.int64)
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy() if N > 1 else tf.distribute.get_strategy()
+creator = None
+if cfg["layout"] == "redis":
+    creator = tfde.RedisTableCreator(cfg["redis"])
+
+
+class Model(tf.keras.Model):
+    def __init__(self):
+        super().__init__()
+        emb = dict(initializer=tf.keras.initializers.RandomNormal(stddev=0.3, seed=1), table_creator=creator)
+        self.user_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.string, name="user_emb", **emb)
+        self.item_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.int64, name="item_emb", **emb)
+        self.dense = tf.keras.layers.Dense(4, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2),
+                                           name="dense")
+
+    def call(self, features, training=None):
+        u = self.user_emb(features["user"], training=training)
+        i = self.item_emb(features["item"], training=training)
+        return tf.reduce_sum(self.dense(tf.concat([u, i], axis=1)), axis=1)
+
+
+def build():
+    return Model()
+
+
+def optimizer():
+    if cfg["optimizer"] == "adam":
+        return tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
+    return tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.05))
+
+
+def dataset(ctx=None):
+    u, i, y = tf.constant(users), tf.constant(items), tf.constant(labels)
+    ds = tf.data.Dataset.from_tensor_slices((part_starts, part_sizes)).map(
+        lambda s, n: ({"user": u[s:s + n], "item": i[s:s + n]}, y[s:s + n]))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return ds.with_options(options)
+
+
+with strategy.scope():
+    model = build()
+    opt = optimizer()
+
+if cfg["engine"] == "fit":
+    with strategy.scope():
+        model.compile(optimizer=opt, loss="mse")
+    if N > 1 and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+        data = tf.keras.utils.experimental.DatasetCreator(lambda ctx: dataset(ctx))
+        model.fit(data, epochs=1, steps_per_epoch=T, verbose=0)
+    elif N > 1:  # Keras 3 has no DatasetCreator
+        model.fit(strategy.distribute_datasets_from_function(dataset), epochs=1, steps_per_epoch=T, verbose=0)
+    else:
+        model.fit(dataset(), epochs=1, verbose=0)
+else:
+    # Custom loop: create the model's and the optimizer's variables under the
+    # strategy's scope before the first step, as Keras 3 needs.
+    with strategy.scope():
+        model({"user": users[:1], "item": items[:1]})
+        opt.build(model.trainable_variables)
+
+    @tf.function
+    def step(batch):
+        def replica_step(features, y):
+            # The mean over the global batch, whatever this worker's share of it.
+            ctx = tf.distribute.get_replica_context()
+            global_size = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.shape(y)[0], tf.float32))
+            with tf.GradientTape() as tape:
+                pred = model(features, training=True)
+                loss = tf.reduce_sum(tf.square(pred - y)) / global_size
+            variables = model.trainable_variables
+            opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        strategy.run(replica_step, args=batch)
+
+    data = strategy.distribute_datasets_from_function(dataset) if N > 1 else dataset()
+    for batch in data:
+        step(batch)
+
+
+def dump(var):
+    keys, rows = [], []
+    for k, r in var.export():
+        k = k.numpy()
+        keys.append(k.astype("S") if k.dtype == object else k)
+        rows.append(r.numpy())
+    if not keys:
+        return np.zeros([0], var.key_dtype.as_numpy_dtype), np.zeros([0, var.dim], np.float32)
+    return np.concatenate(keys), np.concatenate(rows)
+
+
+if cfg["layout"] == "cuckoo" or index == 0:
+    out = {}
+    for layer in (model.user_emb, model.item_emb):
+        if True:
+            var = layer.params
+            out[f"{layer.name}/keys"], out[f"{layer.name}/rows"] = dump(var)
+            for name, slot in var.slots.items():
+                out[f"{layer.name}/{name}/keys"], out[f"{layer.name}/{name}/rows"] = dump(slot)
+    out["dense/kernel"], out["dense/bias"] = (np.asarray(w) for w in model.dense.get_weights())
+    np.savez(f"{cfg['out']}-w{index}.npz", **out)
+print(f"worker {index} done", flush=True)
