@@ -24,11 +24,24 @@ import sys
 import numpy as np
 
 cfg = json.load(open(sys.argv[1]))
-index = int(sys.argv[2])
 N, T, G = cfg["workers"], cfg["steps"], cfg["global_batch"]
-if N > 1:
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in cfg["ports"]]},
-                                          "task": {"type": "worker", "index": index}})
+if cfg["engine"] == "hvd":  # launched by horovodrun: the rank comes from Horovod
+    import tfde.distributed.horovod as tfde_hvd
+
+    if cfg.get("bare_hvd_init"):  # the mistake tfde must catch: Horovod without tfde's exchange
+        import horovod.tensorflow as hvd
+
+        hvd.init()
+    else:
+        hvd = tfde_hvd.init()
+    import horovod.tensorflow.keras as hvd_keras
+    index = hvd.rank()
+    assert hvd.size() == N, (hvd.size(), N)
+else:
+    index = int(sys.argv[2])
+    if N > 1:
+        os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in cfg["ports"]]},
+                                              "task": {"type": "worker", "index": index}})
 
 import tensorflow as tf  # noqa: E402
 
@@ -54,7 +67,8 @@ users, items, labels = all_users[mine], all_items[mine], all_labels[mine]
 part_starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
 part_sizes = np.array([len(p) for p in parts], np.int64)
 
-strategy = tf.distribute.MultiWorkerMirroredStrategy() if N > 1 else tf.distribute.get_strategy()
+strategy = tf.distribute.MultiWorkerMirroredStrategy() if N > 1 and cfg["engine"] != "hvd" \
+    else tf.distribute.get_strategy()
 creator = None
 if cfg["layout"] == "redis":
     creator = tfde.RedisTableCreator(cfg["redis"])
@@ -81,8 +95,10 @@ def build():
 
 def optimizer():
     if cfg["optimizer"] == "adam":
-        return tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
-    return tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.05))
+        opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
+    else:
+        opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.05))
+    return hvd_keras.DistributedOptimizer(opt) if cfg["engine"] == "hvd" else opt
 
 
 def dataset(ctx=None):
@@ -98,7 +114,12 @@ with strategy.scope():
     model = build()
     opt = optimizer()
 
-if cfg["engine"] == "fit":
+if cfg["engine"] == "hvd":
+    # Each worker's loss is the mean over its examples; Horovod averages
+    # gradients, so equal shares make the global mean.
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(dataset(), epochs=1, verbose=0, callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+elif cfg["engine"] == "fit":
     with strategy.scope():
         model.compile(optimizer=opt, loss="mse")
     if N > 1 and os.environ.get("TF_USE_LEGACY_KERAS") == "1":

@@ -1,98 +1,50 @@
 """Synchronous, exact training of tfde Variables over several workers.
 
-Every worker owns the keys whose stable hash routes to it (DESIGN decisions 4
-and 6) and is the only one that reads them from or writes them to its store:
-its own local cuckoo tables ("sharded local tables"), or the Redis tables that
-all workers share ("shared store").  One training step, for each Variable:
+Every worker owns the keys whose stable hash routes to it (`owner`, DESIGN
+decisions 4 and 6) and is the only one that reads them from or writes them to
+its store: its own local cuckoo tables ("sharded local tables"), or the Redis
+tables all workers share ("shared store").  An `Exchange` moves ids, rows and
+gradients between the workers, in two steps per Variable and training step:
 
-1. lookup: the workers all-gather the unique ids of their batches; the union
-   G (deduplicated, in the same order on every worker) is what this step
-   touches.  Each worker reads the rows of G it owns, zeros elsewhere, and an
-   all-reduce (sum) gives every worker every row of G.  The rows go into the
-   step buffer, identical on all workers.
-2. apply: each worker's gradient for the step buffer is summed over workers
-   (all-reduce), so every worker holds the gradient of the global batch; the
-   owner of each key applies the optimizer to it and writes it (row, optimizer
-   slots, policy state) to its store: every key is written exactly once.
+* `rows_for(unique_keys, find)` (lookup): every worker gets the rows of its
+  keys, each read by its owner;
+* `owner_gradients(keys, grads)` (apply): the gradients of every worker reach
+  the owner of each key, summed over workers; the owner applies the optimizer
+  to the key and writes its row, slots and policy state: every key is written
+  exactly once per step.
 
-With the loss averaged over the global batch (Keras does this under a
-tf.distribute strategy; custom loops use tf.nn.compute_average_loss), N workers
-with batch B compute the same update as one worker with batch N*B, up to the
-order of float summation.
+Two routings implement them:
 
-An `Exchange` carries the collectives.  Under a tf.distribute strategy with
-more than one replica (MultiWorkerMirroredStrategy, MirroredStrategy) the
-strategy's replica context is used automatically; Horovod installs its own
-(tfde.distributed.horovod).  This module uses only TensorFlow; it imports
-nothing from tfde.distributed.
+* `GatherExchange` (tf.distribute: MultiWorkerMirroredStrategy, automatic
+  inside its replica context): the workers all-gather their unique ids; the
+  union G, identical and identically ordered on every worker, becomes every
+  worker's step buffer; owners fill in their rows of G and an all-reduce (sum
+  with zeros elsewhere, so exact) gives everyone all of G.  Gradients of the
+  shared buffer are all-reduced, and each owner keeps its keys.
+* `AllToAllExchange` (Horovod, installed by tfde.distributed.horovod): ids go
+  to their owners and rows come back through all-to-all; each worker's step
+  buffer holds only its own keys; gradients go back to the owners the same way
+  and are summed there.  Less traffic than gathering when workers are many.
+
+With the loss averaged over the global batch (Keras under a tf.distribute
+strategy; custom loops with tf.nn.compute_average_loss; Horovod by averaging
+gradients), N workers with batch B compute the same update as one worker with
+batch N*B, up to the order of float summation.
+
+This module uses only TensorFlow and imports nothing from tfde.distributed.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import tensorflow as tf
 
+from tfde.errors import ConfigError
 from tfde.hashing import stable_hash
 
 _installed: Optional["Exchange"] = None
-
-
-class Exchange:
-    """Collectives over the workers of one synchronous job.
-
-    rank: this worker's index (int or int32 scalar tensor), size: the number
-    of workers (int).  Both methods are called by every worker in the same
-    order with tensors of the same dtype and trailing shape."""
-
-    rank = 0
-    size = 1
-
-    def all_gather(self, tensor):
-        """Concatenation over workers along axis 0 (lengths may differ)."""
-        raise NotImplementedError
-
-    def all_reduce_sum(self, tensor):
-        """Element-wise sum over workers (same shape on every worker)."""
-        raise NotImplementedError
-
-
-class StrategyExchange(Exchange):
-    """The collectives of the current tf.distribute replica context."""
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.rank = ctx.replica_id_in_sync_group
-        self.size = ctx.num_replicas_in_sync
-
-    def all_gather(self, tensor):
-        return self.ctx.all_gather(tensor, axis=0)
-
-    def all_reduce_sum(self, tensor):
-        return self.ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensor)
-
-
-def install(exchange: Optional[Exchange]) -> None:
-    """Makes `exchange` the one every tfde Variable uses (None removes it).
-    For engines outside tf.distribute, e.g. Horovod."""
-    global _installed
-    _installed = exchange
-
-
-def active() -> Optional[Exchange]:
-    """The exchange for the code being traced/run now, or None when this
-    process trains alone.  An installed exchange wins; otherwise a
-    tf.distribute replica context with more than one replica."""
-    if _installed is not None and _installed.size > 1:
-        return _installed
-    if not tf.distribute.has_strategy():
-        return None
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None:  # cross-replica context: no collectives possible here
-        return None
-    if ctx.num_replicas_in_sync <= 1:
-        return None
-    return StrategyExchange(ctx)
 
 
 def owner(keys, size: int):
@@ -105,41 +57,174 @@ def owner(keys, size: int):
     return tf.cast(tf.bitwise.right_shift(low * size, 32), tf.int32)
 
 
-def gather_rows(ex: Exchange, unique_keys, find):
-    """Step 1 of the module docstring.
+class Exchange:
+    """Moves ids, rows and gradients between the workers of one synchronous
+    job.  rank: this worker (int or int32 scalar tensor); size: the number of
+    workers (int).  Every worker calls every method in the same order."""
 
-    unique_keys: [u] this worker's deduplicated keys.  find(keys) -> rows
-    [k, dim] reads this worker's store.  Returns (keys of G [g], rows of G
-    [g, dim], positions [u] of unique_keys in G)."""
-    sizes = ex.all_gather(tf.shape(unique_keys, out_type=tf.int32)[:1])
-    every = gather_keys(ex, unique_keys)
-    union, index = tf.unique(every, out_idx=tf.int32)
-    start = tf.reduce_sum(sizes[: ex.rank])
-    mine = index[start:start + tf.shape(unique_keys)[0]]
-    rows = find(union)
-    owned = tf.equal(owner(union, ex.size), ex.rank)
-    rows = tf.where(owned[:, None], rows, tf.zeros_like(rows))
-    return union, ex.all_reduce_sum(rows), mine
+    rank = 0
+    size = 1
+
+    def rows_for(self, unique_keys, find):
+        """unique_keys [u]: this worker's deduplicated keys; find(keys) ->
+        [k, d] reads this worker's store.  Returns (buffer_keys [b],
+        buffer_rows [b, d], positions [u] of unique_keys in the buffer)."""
+        raise NotImplementedError
+
+    def owner_gradients(self, buffer_keys, grads):
+        """buffer_keys [b] and this worker's gradient [b, d] of its buffer
+        rows.  Returns (keys [k] this worker owns and must update, their
+        gradients [k, d] summed over workers and over duplicate keys)."""
+        raise NotImplementedError
+
+    def gradient_scale(self, already_scaled: bool) -> float:
+        """Factor for owner_gradients' sums: 1 where the engine sums
+        gradients (tf.distribute, whose loss is already divided by the global
+        batch); 1/size where it averages them (Horovod), unless the engine
+        already divided this worker's step-buffer gradient by size."""
+        return 1.0
+
+    def owned(self, keys):
+        """bool [k]: which keys this worker owns."""
+        return tf.equal(owner(keys, self.size), self.rank)
+
+
+def _sum_per_key(keys, grads):
+    unique, seg = tf.unique(keys, out_idx=tf.int32)
+    return unique, tf.math.unsorted_segment_sum(grads, seg, tf.size(unique))
+
+
+class GatherExchange(Exchange):
+    """The routing for tf.distribute (see the module docstring); uses the
+    collectives of the current replica context."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.rank = ctx.replica_id_in_sync_group
+        self.size = ctx.num_replicas_in_sync
+
+    def _gather(self, tensor):
+        return self.ctx.all_gather(tensor, axis=0)
+
+    def _sum(self, tensor):
+        return self.ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensor)
+
+    def rows_for(self, unique_keys, find):
+        sizes = self._gather(tf.shape(unique_keys, out_type=tf.int32)[:1])
+        every = _transport_keys(unique_keys, self._gather, lambda n: tf.reduce_max(self._gather(n[None])))
+        union, index = tf.unique(every, out_idx=tf.int32)
+        start = tf.reduce_sum(sizes[: self.rank])
+        mine = index[start:start + tf.shape(unique_keys)[0]]
+        rows = find(union)
+        rows = tf.where(self.owned(union)[:, None], rows, tf.zeros_like(rows))
+        return union, self._sum(rows), mine
+
+    def owner_gradients(self, buffer_keys, grads):
+        # The buffer is the same on every worker: sum per buffer row, then per key.
+        keys, summed = _sum_per_key(buffer_keys, self._sum(grads))
+        mask = self.owned(keys)
+        return tf.boolean_mask(keys, mask), tf.boolean_mask(summed, mask)
+
+
+class AllToAllExchange(Exchange):
+    """The routing for engines with an all-to-all collective (Horovod).
+
+    alltoall(tensor, splits) -> (received, received_splits) sends
+    tensor[sum(splits[:w]) : sum(splits[:w+1])] to worker w;
+    max_over_workers(scalar) -> scalar.  gradient_scale: the factor for
+    summed gradients (1/size where the engine's convention is to average)."""
+
+    def __init__(self, rank, size, alltoall, max_over_workers, gradient_scale=1.0):
+        self.rank, self.size = rank, size
+        self._alltoall, self._max = alltoall, max_over_workers
+        self._scale = gradient_scale
+
+    def gradient_scale(self, already_scaled: bool) -> float:
+        return 1.0 if already_scaled else self._scale
+
+    def _route(self, keys):
+        """(order sorting keys by owner, splits [size])."""
+        own = owner(keys, self.size)
+        order = tf.argsort(own, stable=True)
+        return order, tf.math.bincount(own, minlength=self.size, maxlength=self.size, dtype=tf.int32)
+
+    def _send_keys(self, keys, splits):
+        """(keys received from every worker, received splits)."""
+        received_splits = []
+
+        def move(t):
+            out, rsplits = self._alltoall(t, splits)
+            received_splits.append(rsplits)
+            return out
+
+        return _transport_keys(keys, move, self._max), received_splits[0]
+
+    def rows_for(self, unique_keys, find):
+        order, splits = self._route(unique_keys)
+        sent = tf.gather(unique_keys, order)
+        received, received_splits = self._send_keys(sent, splits)
+        rows, _ = self._alltoall(find(received), received_splits)  # back to the askers, in the order sent
+        rows = tf.scatter_nd(order[:, None], rows, tf.shape(rows, out_type=tf.int32))
+        return unique_keys, rows, tf.range(tf.size(unique_keys))
+
+    def owner_gradients(self, buffer_keys, grads):
+        keys, summed = _sum_per_key(buffer_keys, grads)
+        order, splits = self._route(keys)
+        received, _ = self._send_keys(tf.gather(keys, order), splits)
+        received_grads, _ = self._alltoall(tf.gather(summed, order), splits)
+        return _sum_per_key(received, received_grads)
+
+
+def install(exchange: Optional[Exchange]) -> None:
+    """Makes `exchange` the one every tfde Variable uses (None removes it);
+    for engines outside tf.distribute (tfde.distributed.horovod.init)."""
+    global _installed
+    _installed = exchange
+
+
+def active() -> Optional[Exchange]:
+    """The exchange for the code being traced or run now, or None when this
+    process trains alone.  An installed exchange wins; otherwise a
+    tf.distribute replica context with more than one replica."""
+    if _installed is not None:
+        return _installed if _installed.size > 1 else None
+    _refuse_bare_horovod()
+    if not tf.distribute.has_strategy():
+        return None
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync <= 1:  # cross-replica context, or one replica
+        return None
+    return GatherExchange(ctx)
+
+
+def _refuse_bare_horovod():
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is None:
+        return
+    try:
+        running = hvd.is_initialized() and hvd.size() > 1
+    except Exception:  # pragma: no cover - horovod half-imported
+        return
+    if running:
+        raise ConfigError(
+            f"Horovod runs {hvd.size()} workers but tfde's exchange is not installed, so tfde Variables would "
+            "train each worker's keys apart; call tfde.distributed.horovod.init() (it calls hvd.init()) before "
+            "building the model")
 
 
 _BYTES = [bytes([b]) for b in range(256)]  # byte value -> 1-byte string
 
 
-def gather_keys(ex: Exchange, keys):
-    """all_gather of keys [k]; collectives carry numbers only, so string keys
-    travel as zero-padded byte codes [k, longest] plus their lengths and are
-    rebuilt byte for byte."""
+def _transport_keys(keys, move, max_over_workers):
+    """move(keys) for collectives that carry numbers only: string keys travel
+    as zero-padded byte codes [k, longest] plus their lengths and are rebuilt
+    byte for byte.  move must be row-wise (it may reorder or regroup rows)."""
     if keys.dtype != tf.string:
-        return ex.all_gather(keys)
+        return move(keys)
     lengths = tf.strings.length(keys)
-    longest = tf.reduce_max(ex.all_gather(tf.reduce_max(tf.concat([lengths, [1]], 0))[None]))
-    codes = tf.cast(tf.io.decode_raw(keys, tf.uint8, fixed_length=longest), tf.int32)  # [k, longest]
-    codes = tf.reshape(codes, [-1, longest])
-    codes, lengths = ex.all_gather(codes), ex.all_gather(lengths)
-    joined = tf.strings.reduce_join(tf.gather(tf.constant(_BYTES), codes), axis=1)
-    return tf.strings.substr(joined, tf.zeros_like(lengths), lengths)
-
-
-def owned_mask(ex: Exchange, keys):
-    """bool [k]: which of `keys` this worker owns."""
-    return tf.equal(owner(keys, ex.size), ex.rank)
+    longest = max_over_workers(tf.reduce_max(tf.concat([lengths, [1]], 0)))
+    codes = tf.cast(tf.io.decode_raw(keys, tf.uint8, fixed_length=longest), tf.int32)
+    packed = tf.concat([tf.reshape(codes, [-1, longest]), lengths[:, None]], 1)  # [k, longest + 1]
+    packed = move(packed)
+    joined = tf.strings.reduce_join(tf.gather(tf.constant(_BYTES), packed[:, :-1]), axis=1)
+    return tf.strings.substr(joined, tf.zeros_like(packed[:, -1]), packed[:, -1])

@@ -80,8 +80,28 @@ class _SparseGrad:
 class DynamicEmbeddingMixin:
     """Methods mixed into the optimizer's class by DynamicEmbeddingOptimizer."""
 
+    @property
+    def _tfde_rule(self):
+        # Computed, not stored: Horovod's DistributedOptimizer rebuilds the
+        # optimizer from its config, which carries no tfde attributes.
+        return _rule_for(self)
+
     def build(self, var_list, *args, **kwargs):
         return super().build([v for v in var_list if not is_step_buffer(v)], *args, **kwargs)
+
+    def compute_gradients(self, loss, var_list, tape=None):  # tf-keras; Horovod wraps this
+        self._tfde_register_local(var_list)
+        return super().compute_gradients(loss, var_list, tape)
+
+    def _tfde_register_local(self, var_list):
+        """Tells Horovod's DistributedOptimizer (when it wraps this one) to
+        leave step buffers alone: their gradients go through tfde's exchange."""
+        if not hasattr(self, "register_local_var"):
+            return
+        known = set(getattr(self, "_local_vars", ()))  # Horovod keeps var.ref()s
+        for v in var_list:
+            if is_step_buffer(v) and v.ref() not in known:
+                self.register_local_var(v)
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
@@ -136,19 +156,24 @@ class DynamicEmbeddingMixin:
             indices = tf.range(tf.shape(values)[0])
         compute = tf.float32 if var.value_dtype in (tf.float16, tf.bfloat16) else var.value_dtype
         values = tf.cast(values, compute)
-        if ex is not None:
-            # The step buffer is the same on every worker (tfde/exchange.py):
-            # sum the gradients of all workers per buffer row.
+        if ex is None:
+            keys = var._step_keys(indices)
+            unique, seg = tf.unique(keys, out_idx=tf.int32)
+            summed = tf.math.unsorted_segment_sum(values, seg, tf.size(unique))
+        else:
+            # Every worker's gradient reaches the owner of each key (tfde/exchange.py).
             if hp(self, "global_clipnorm", None) is not None:
                 raise UnsupportedOptimizerError(
                     "global_clipnorm is not supported in distributed training with tfde Variables yet; use "
                     "clipnorm or clipvalue")
             rows = var._step_size()
-            values = ex.all_reduce_sum(tf.math.unsorted_segment_sum(values, indices, rows))
-            indices = tf.range(rows)
-        keys = var._step_keys(indices)
-        unique, seg = tf.unique(keys, out_idx=tf.int32)
-        summed = tf.math.unsorted_segment_sum(values, seg, tf.size(unique))
+            dense = tf.math.unsorted_segment_sum(values, indices, rows)
+            unique, summed = ex.owner_gradients(var._step_keys(tf.range(rows)), dense)
+            # Horovod's DistributedOptimizer divides local variables' gradients by size.
+            pre_scaled = hasattr(self, "register_local_var") and bool(getattr(self, "scale_local_gradients", False))
+            factor = ex.gradient_scale(pre_scaled)
+            if factor != 1.0:
+                summed = summed * tf.cast(factor, compute)
         scale = hp(self, "loss_scale_factor", None)
         if scale is not None:
             summed = summed / tf.cast(scale, compute)
@@ -175,10 +200,6 @@ class DynamicEmbeddingMixin:
 
     def _tfde_apply_rows(self, p: _SparseGrad):
         var, rule = p.var, self._tfde_rule
-        ex = _exchange.active()
-        if ex is not None:  # every worker holds every gradient; each key's owner applies it
-            owned = _exchange.owned_mask(ex, p.keys)
-            p = _SparseGrad(var, tf.boolean_mask(p.keys, owned), tf.boolean_mask(p.grads, owned))
         # One read of the step's rows serves the admission decision (which
         # keys are stored) and the update.
         all_rows, stored = var._find(p.keys, for_update=True)
@@ -251,8 +272,11 @@ def DynamicEmbeddingOptimizer(optimizer):
     """
     if isinstance(optimizer, DynamicEmbeddingMixin):
         return optimizer
-    rule = _rule_for(optimizer)
+    if hasattr(optimizer, "register_local_var") and hasattr(optimizer, "_allreduce_grads"):
+        raise UnsupportedOptimizerError(
+            "this optimizer is already Horovod's DistributedOptimizer; wrap in the other order: "
+            "hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(opt)) (see tfde.distributed.horovod)")
+    _rule_for(optimizer)
     _check_options(optimizer)
     optimizer.__class__ = _wrapped_class(type(optimizer))
-    optimizer._tfde_rule = rule
     return optimizer

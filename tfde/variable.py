@@ -66,6 +66,11 @@ class Variable(tf.Module):
       [[2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0]]
     """
 
+    # The keys of the step buffer are bookkeeping of this process, not model
+    # state: kept out of .variables, so that Keras models do not list them
+    # (Horovod's broadcast of model.variables cannot carry strings).
+    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_keys_buffer"}
+
     def __init__(self, name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1,
                  initializer=None, seed: Optional[int] = None, num_shards: int = 1,
                  table_creator: Optional[TableCreator] = None, restrict_policy=None,
@@ -304,7 +309,7 @@ class Variable(tf.Module):
             rows, exists = self._find(keys)
             return tf.concat([rows, tf.cast(exists, rows.dtype)[:, None]], 1)
 
-        _, found, mine = _exchange.gather_rows(ex, unique, find)
+        _, found, mine = ex.rows_for(unique, find)
         found = tf.gather(found, tf.gather(mine, positions))
         return found[:, :self.dim], found[:, self.dim] > 0
 
@@ -324,7 +329,7 @@ class Variable(tf.Module):
             rows, _ = self._find(unique_keys)
         else:
             _check_one_replica_per_process()
-            unique_keys, rows, mine = _exchange.gather_rows(ex, unique_keys, lambda k: self._find(k)[0])
+            unique_keys, rows, mine = ex.rows_for(unique_keys, lambda k: self._find(k)[0])
             positions = tf.gather(mine, positions)
         offset = self._step_size()
         self._rows_buffer.assign(tf.concat([self._rows_buffer.read_value(), rows], 0))
@@ -354,6 +359,8 @@ def _local_variable(initial, shape, trainable, name):
 
 
 def _check_one_replica_per_process():
+    if not tf.distribute.has_strategy():
+        return
     strategy = tf.distribute.get_strategy()
     devices = getattr(strategy.extended, "worker_devices", ())
     if len(devices) > 1:

@@ -1,0 +1,124 @@
+"""Helpers of the distributed tests: run tests/distributed_job.py as N real
+worker processes and compare what they stored with a 1-worker run.
+
+Tolerance: atol 1e-6, rtol 1e-5.  Two workers sum their float32 partial
+gradients in another order than one worker summing the whole batch (an
+all-reduce or all-to-all adds per-worker sums), which changes the last bits of
+each step's update (~1e-8 on rows of magnitude ~1, measured); over the few
+steps here the differences stay far below 1e-6, while any real error (a lost,
+doubled or misrouted gradient) moves rows by ~1e-2."""
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+JOB = Path(__file__).with_name("distributed_job.py")
+TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None):
+    """Runs the job with `workers` processes (MultiWorkerMirroredStrategy on
+    loopback, or horovodrun for engine 'hvd'); returns load() of its files."""
+    ports = [free_port() for _ in range(workers)]
+    cfg = {"workers": workers, "ports": ports, "engine": engine, "optimizer": optimizer, "layout": layout,
+           "redis": {"model_tag_runtime": f"{tag}-{workers}"}, "steps": 6, "global_batch": 32,
+           "out": str(tmp_path / f"out{workers}"), **(extra or {})}
+    path = tmp_path / f"cfg{workers}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(JOB.parent.parent)}
+    if engine == "hvd" and workers > 1:
+        horovodrun = shutil.which("horovodrun", path=str(Path(sys.executable).parent)) or "horovodrun"
+        commands = [[horovodrun, "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
+                     sys.executable, str(JOB), str(path)]]
+    else:
+        commands = [[sys.executable, str(JOB), str(path), str(i)] for i in range(workers)]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for c in commands]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        if p.returncode != 0:
+            raise JobFailed(f"worker {i} of {workers} failed (exit {p.returncode}):\n{out[-4000:]}", out)
+    return load(cfg["out"])
+
+
+class JobFailed(AssertionError):
+    def __init__(self, message, output):
+        super().__init__(message)
+        self.output = output
+
+
+def load(prefix):
+    """({table: {key: row}} over all workers' files, {dense weight: array});
+    fails if two workers store the same key (every key has one owner)."""
+    tables, dense = {}, {}
+    for f in sorted(glob.glob(prefix + "-w*.npz")):
+        part = dict(np.load(f))
+        for name, value in part.items():
+            if name.endswith("/keys"):
+                table = tables.setdefault(name[:-5], {})
+                for key, row in zip(value.tolist(), part[name[:-5] + "/rows"]):
+                    assert key not in table, f"key {key!r} of {name[:-5]} is stored by two workers"
+                    table[key] = row
+            elif name.startswith("dense/"):
+                dense[name] = value
+    return tables, dense
+
+
+def check_equal(one, two):
+    (t1, d1), (t2, d2) = one, two
+    assert set(t1) == set(t2), f"tables differ: {sorted(t1)} vs {sorted(t2)}"
+    for name in t1:
+        assert set(t1[name]) == set(t2[name]), f"{name}: key sets differ"
+        keys = sorted(t1[name])
+        assert len(keys) > 20
+        np.testing.assert_allclose(np.stack([t2[name][k] for k in keys]), np.stack([t1[name][k] for k in keys]),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+    for name in d1:
+        np.testing.assert_allclose(d2[name], d1[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+
+
+def check_sharded(tmp_path, workers):
+    """Sharded layout: every worker stores some keys of each table (load()
+    already checked that no key is stored twice)."""
+    parts = [dict(np.load(f)) for f in sorted(glob.glob(str(tmp_path / f"out{workers}-w*.npz")))]
+    assert len(parts) == workers
+    for name in ("user_emb", "item_emb"):
+        assert all(len(p[f"{name}/keys"]) > 0 for p in parts), name
+
+
+@contextlib.contextmanager
+def redis_tag(port=6379):
+    """A fresh model tag; its keys are deleted from the server afterwards."""
+    import redis
+
+    tag = f"tfde-dist-{uuid.uuid4().hex[:10]}"
+    try:
+        yield tag
+    finally:
+        client = redis.Redis(port=port)
+        stale = list(client.scan_iter(match=f"{tag}*"))
+        if stale:
+            client.delete(*stale)

@@ -1,0 +1,52 @@
+"""Horovod: 2 workers started by horovodrun (gloo, loopback) against 1 worker
+on the combined batches; tfde's all-to-all exchange with sharded cuckoo tables
+and with shared Redis tables.  Method and tolerance: tests/distributed_check.py.
+
+Runs in the Horovod environment (Horovod 0.28.1 builds against TF 2.16 only):
+scripts/test.sh makes it and runs this directory with TF_USE_LEGACY_KERAS=1."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from distributed_check import JobFailed, check_equal, check_sharded, redis_tag, run_job  # noqa: E402
+
+import horovod.tensorflow.keras as hvd_keras  # noqa: E402  (a missing Horovod fails here, loudly)
+import tensorflow as tf  # noqa: E402
+
+import tfde  # noqa: E402
+
+assert os.environ.get("TF_USE_LEGACY_KERAS") == "1", "Horovod's Keras support needs tf-keras: TF_USE_LEGACY_KERAS=1"
+
+
+@pytest.fixture
+def tag():
+    with redis_tag() as t:
+        yield t
+
+
+@pytest.mark.parametrize("optimizer,layout", [("sgd", "cuckoo"), ("adam", "cuckoo"), ("sgd", "redis"),
+                                              ("adam", "redis")])
+def test_two_horovod_workers_equal_one_worker(tmp_path, tag, optimizer, layout):
+    one = run_job(tmp_path, 1, "hvd", optimizer, layout, tag)
+    two = run_job(tmp_path, 2, "hvd", optimizer, layout, tag)
+    check_equal(one, two)
+    if layout == "cuckoo":
+        check_sharded(tmp_path, 2)
+
+
+def test_wrapping_order_is_named_when_reversed():
+    opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(0.01))
+    with pytest.raises(tfde.UnsupportedOptimizerError,
+                       match=r"hvd.DistributedOptimizer\(tfde.DynamicEmbeddingOptimizer\(opt\)\)"):
+        tfde.DynamicEmbeddingOptimizer(opt)
+
+
+def test_bare_hvd_init_is_refused_with_the_fix(tmp_path, tag):
+    with pytest.raises(JobFailed) as failed:
+        run_job(tmp_path, 2, "hvd", "sgd", "cuckoo", tag, extra={"bare_hvd_init": True})
+    assert "tfde.distributed.horovod.init()" in failed.value.output
