@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs everything the tests need, starts what they need, runs the whole
-# suite: once under Keras 3 (TF 2.21's default) and the Keras-facing tests
-# again under tf-keras (TF_USE_LEGACY_KERAS=1).  Exit status: pytest's.
+# suite: once under Keras 3 (TF 2.21's default), the Keras-facing tests again
+# under tf-keras (TF_USE_LEGACY_KERAS=1), and the Horovod tests in a TF 2.16
+# environment with Horovod (it does not build against TF 2.21).  Exit status:
+# non-zero if any run failed.
 #
-# The virtualenv is cached outside the clone, keyed by a hash of the
-# dependency spec, in $TFDE_VENV_ROOT (default ~/.cache/tfde/venvs).
+# The virtualenvs are cached outside the clone, keyed by a hash of their
+# dependency specs, in $TFDE_VENV_ROOT (default ~/.cache/tfde/venvs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -39,13 +41,39 @@ if ! "$VENV/bin/python" -c "import redis,sys; redis.Redis(port=6379, socket_conn
   sleep 1
 fi
 
+# The Horovod environment (TF 2.16.2 + tf-keras + Horovod 0.28.1 with gloo),
+# cached like the main one.
+HKEY=$(cat pyproject.toml scripts/requirements-horovod.txt | sha256sum | cut -c1-16)
+HVENV=${TFDE_HOROVOD_VENV:-${TFDE_VENV_ROOT:-$HOME/.cache/tfde/venvs}/horovod-$HKEY}
+if [ ! -f "$HVENV/.complete" ]; then
+  echo "creating Horovod test venv $HVENV (builds Horovod: ~5 minutes)"
+  if ! dpkg -s cmake libhighwayhash-dev libfarmhash-dev >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq cmake libhighwayhash-dev libfarmhash-dev >/dev/null
+  fi
+  rm -rf "$HVENV"
+  "$PY" -m venv "$HVENV"
+  "$HVENV/bin/pip" install -q --upgrade pip
+  "$HVENV/bin/pip" install -q -r scripts/requirements-horovod.txt
+  HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1 \
+    HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS=-j2 \
+    "$HVENV/bin/pip" install -q --no-cache-dir --no-build-isolation horovod==0.28.1
+  "$HVENV/bin/python" -c "import horovod.tensorflow.keras"
+  touch "$HVENV/.complete"
+fi
+"$HVENV/bin/pip" install -q --no-deps --no-build-isolation -e . >/dev/null
+
 export TFDE_CACHE_DIR=${TFDE_CACHE_DIR:-$HOME/.cache/tfde}
 export TF_CPP_MIN_LOG_LEVEL=2
 "$VENV/bin/tfde" build
+"$HVENV/bin/tfde" build
 
 status=0
-echo "=== Keras 3"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" || status=$?
+echo "=== Keras 3 (TF 2.21)"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --ignore=tests/horovod "$@" || status=$?
 echo "=== tf-keras (TF_USE_LEGACY_KERAS=1): Keras-facing tests"
-TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m keras "$@" || status=$?
+TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --ignore=tests/horovod -m keras "$@" \
+  || status=$?
+echo "=== Horovod (TF 2.16.2, tf-keras, horovodrun on loopback)"
+PATH="$HVENV/bin:$PATH" TF_USE_LEGACY_KERAS=1 "$HVENV/bin/python" -m pytest -q -p no:cacheprovider tests/horovod \
+  || status=$?
 exit $status

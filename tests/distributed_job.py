@@ -19,6 +19,7 @@ tables) and the dense weights.
 
 import json
 import os
+import signal
 import sys
 
 import numpy as np
@@ -67,8 +68,12 @@ users, items, labels = all_users[mine], all_items[mine], all_labels[mine]
 part_starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
 part_sizes = np.array([len(p) for p in parts], np.int64)
 
-strategy = tf.distribute.MultiWorkerMirroredStrategy() if N > 1 and cfg["engine"] != "hvd" \
-    else tf.distribute.get_strategy()
+if N > 1 and cfg["engine"] != "hvd":
+    # A collective that waits longer than timeout_s fails instead of hanging.
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=cfg.get("timeout_s"))
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+else:
+    strategy = tf.distribute.get_strategy()
 creator = None
 if cfg["layout"] == "redis":
     creator = tfde.RedisTableCreator(cfg["redis"])
@@ -103,7 +108,7 @@ def optimizer():
 
 def dataset(ctx=None):
     u, i, y = tf.constant(users), tf.constant(items), tf.constant(labels)
-    ds = tf.data.Dataset.from_tensor_slices((part_starts, part_sizes)).map(
+    ds = tf.data.Dataset.from_tensor_slices((part_starts, part_sizes)).repeat(cfg.get("repeat", 1)).map(
         lambda s, n: ({"user": u[s:s + n], "item": i[s:s + n]}, y[s:s + n]))
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
@@ -118,7 +123,13 @@ if cfg["engine"] == "hvd":
     # Each worker's loss is the mean over its examples; Horovod averages
     # gradients, so equal shares make the global mean.
     model.compile(optimizer=opt, loss="mse")
-    model.fit(dataset(), epochs=1, verbose=0, callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+    def maybe_die(number, logs):
+        if index == cfg.get("die_worker") and number == cfg.get("die_after_step"):
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-training
+
+    model.fit(dataset(), epochs=1, verbose=0, callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                                                    tf.keras.callbacks.LambdaCallback(on_train_batch_end=maybe_die)])
 elif cfg["engine"] == "fit":
     with strategy.scope():
         model.compile(optimizer=opt, loss="mse")
@@ -150,8 +161,11 @@ else:
         strategy.run(replica_step, args=batch)
 
     data = strategy.distribute_datasets_from_function(dataset) if N > 1 else dataset()
-    for batch in data:
+    for number, batch in enumerate(data):
         step(batch)
+        print(f"worker {index} finished step {number}", flush=True)
+        if index == cfg.get("die_worker") and number == cfg.get("die_after_step"):
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-training
 
 
 def dump(var):

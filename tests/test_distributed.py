@@ -4,10 +4,12 @@ on the combined batches; tolerance and method: tests/distributed_check.py.
 Horovod's tests are in tests/horovod/ (they run in the Horovod environment)."""
 
 import os
+import re
+import time
 
 import pytest
 
-from distributed_check import check_equal, check_sharded, redis_tag, run_job
+from distributed_check import JobFailed, check_equal, check_sharded, redis_tag, run_job
 
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
 
@@ -37,3 +39,18 @@ def test_two_workers_equal_one_worker_on_the_combined_batch(tmp_path, tag, engin
     assert set(one[0]) == expected
     if layout == "cuckoo":
         check_sharded(tmp_path, 2)
+
+
+def test_a_killed_worker_makes_the_others_fail_not_hang(tmp_path, tag):
+    """Worker 1 dies (SIGKILL) after step 3 of a long job; worker 0 must stop
+    with TF's error naming the unhealthy task well within the collective
+    timeout set in the job (20 s) rather than wait forever."""
+    start = time.monotonic()
+    with pytest.raises(JobFailed) as failed:
+        run_job(tmp_path, 2, "loop", "sgd", "cuckoo", tag,
+                extra={"repeat": 50, "die_worker": 1, "die_after_step": 3, "timeout_s": 20})
+    elapsed = time.monotonic() - start
+    out = failed.value.output
+    assert str(failed.value).startswith("worker 0 of 2 failed"), str(failed.value)[:300]
+    assert elapsed < 120, f"took {elapsed:.0f} s"
+    assert re.search(r"unhealthy|crashed|Unavailable|DeadlineExceeded", out), out[-3000:]

@@ -1,6 +1,7 @@
 """The `tfde` command.
 
   tfde train [--data ratings.csv] [--epochs N] ...   train the demo two-tower model
+  tfde train --workers 2 [--engine mwms|horovod]     ... with 2 synchronous worker processes
   tfde build [--force]                               compile the op library now (for images)
 """
 
@@ -12,18 +13,50 @@ import sys
 import time
 
 
+def _launch(args, argv) -> int:
+    """`tfde train --workers N`: starts N workers of the same command."""
+    from tfde.distributed.launch import run_local
+
+    worker_argv = _without(argv, "--workers") + ["--as-worker"]
+    env = dict(os.environ)
+    if args.keras != "tf-keras":
+        print("--workers trains with tf-keras: Keras 3's model.fit fails under MultiWorkerMirroredStrategy and "
+              "Horovod supports tf-keras only (README, 'Distributed training')")
+        worker_argv += ["--keras", "tf-keras"]
+    return run_local(worker_argv, args.workers, args.engine, env=env)
+
+
+def _without(argv, flag):
+    """argv minus `flag` and its value (as `--flag V` or `--flag=V`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
 def _train(args) -> int:
     if args.keras == "tf-keras":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    if args.workers > 1 and not args.as_worker:
+        return _launch(args, args.argv)
     from tfde.demo import data as demo_data
+    from tfde.demo.engines import Engine
     from tfde.demo.two_tower import train
+
+    engine = Engine(args.engine if args.as_worker else None)
+    say = print if engine.chief else (lambda *a, **k: None)
 
     creator = None
     if args.backend == "redis":
         import tfde
 
         creator = tfde.RedisTableCreator(args.redis_config)
-        print(f"backend: Redis at {creator.config.describe_servers()}, model tag "
+        say(f"backend: Redis at {creator.config.describe_servers()}, model tag "
               f"{creator.config.model_tag_runtime!r} (rows already stored under it are reused)")
     t = time.perf_counter()
     if args.data:
@@ -32,15 +65,20 @@ def _train(args) -> int:
     else:
         data = demo_data.synthetic(args.interactions, args.users, args.items, seed=args.seed)
         source = f"synthetic ({args.interactions:,} interactions, {args.users:,} users, {args.items:,} items)"
-    print(f"data: {source}: {data.num_train:,} train / {len(data.test_items):,} held out, "
+    say(f"workers: {engine.size} ({args.engine}), {args.batch_size} examples per worker and step"
+        if engine.size > 1 else "workers: 1")
+    say(f"data: {source}: {data.num_train:,} train / {len(data.test_items):,} held out, "
           f"loaded in {time.perf_counter() - t:.1f}s")
     result = train(data, epochs=args.epochs, batch_size=args.batch_size, embedding_dim=args.dim,
                    learning_rate=args.learning_rate, optimizer=args.optimizer, seed=args.seed, table_creator=creator,
                    policy=args.policy, max_rows=args.max_rows, min_count=args.min_count,
-                   verbose=1 if sys.stdout.isatty() or args.progress else 2, k=args.k)
+                   verbose=1 if sys.stdout.isatty() or args.progress else 2, k=args.k, engine=engine)
     k = args.k
-    print(f"rows stored: {result['user_rows']:,} users, {result['item_rows']:,} items")
-    print(f"final loss {result['loss']:.4f}, {result['examples_per_s']:,.0f} examples/s")
+    if not engine.chief:
+        return 0 if result[f"recall@{k}"] > result[f"most_popular_recall@{k}"] else 1
+    shard = " (worker 0's shard)" if engine.size > 1 else ""
+    print(f"rows stored{shard}: {result['user_rows']:,} users, {result['item_rows']:,} items")
+    print(f"final loss {result['loss']:.4f}, {result['examples_per_s']:,.0f} examples/s" + (" (all workers)" if engine.size > 1 else ""))
     print(f"held-out recall@{k}: {result[f'recall@{k}']:.4f}  "
           f"(most-popular baseline: {result[f'most_popular_recall@{k}']:.4f})")
     if result[f"recall@{k}"] <= result[f"most_popular_recall@{k}"]:
@@ -84,11 +122,18 @@ def main(argv=None) -> int:
     t.add_argument("--redis-config", help="Redis JSON config (TFRA format) for --backend redis; "
                                           "default: the file named by $TFDE_REDIS_CONFIG")
     t.add_argument("--progress", action="store_true", help="progress bar even when stdout is not a terminal")
+    t.add_argument("--workers", type=int, default=1, help="train with this many worker processes on this machine "
+                                                          "(synchronous; each owns a shard of every table)")
+    t.add_argument("--engine", choices=["mwms", "horovod"], default="mwms",
+                   help="with --workers: MultiWorkerMirroredStrategy (TF_CONFIG) or Horovod (horovodrun)")
+    t.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)  # set by the launcher
     t.set_defaults(fn=_train)
     b = sub.add_parser("build", help="compile the native op library for the installed TensorFlow")
     b.add_argument("--force", action="store_true")
     b.set_defaults(fn=_build)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     return args.fn(args)
 
 

@@ -37,6 +37,7 @@ This module uses only TensorFlow and imports nothing from tfde.distributed.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Optional
 
 import tensorflow as tf
@@ -195,6 +196,26 @@ def active() -> Optional[Exchange]:
     if ctx is None or ctx.num_replicas_in_sync <= 1:  # cross-replica context, or one replica
         return None
     return GatherExchange(ctx)
+
+
+_warned = set()
+
+
+def warn_if_partial(name: str) -> None:
+    """Warns (once per Variable) when a read runs outside the replica context
+    of a multi-worker strategy: there, no collective can run, so a worker sees
+    only the keys it owns and reads the initial value of all others."""
+    if not tf.distribute.has_strategy() or tf.distribute.get_replica_context() is not None:
+        return
+    strategy = tf.distribute.get_strategy()
+    if strategy.num_replicas_in_sync <= 1 or name in _warned or not tf.executing_eagerly():
+        return
+    _warned.add(name)
+    warnings.warn(
+        f"tfde Variable {name!r} is read outside strategy.run under {type(strategy).__name__} with "
+        f"{strategy.num_replicas_in_sync} workers: this worker sees only the keys it owns. Read inside "
+        "strategy.run (model.predict and model.evaluate do), as the README's 'Distributed training' shows.",
+        stacklevel=3)
 
 
 def _refuse_bare_horovod():

@@ -197,7 +197,11 @@ class Variable(tf.Module):
         With return_exists=True also returns a bool tensor of keys.shape
         telling which keys are stored."""
         keys = tf.convert_to_tensor(keys, dtype_hint=self.key_dtype) if not tf.is_tensor(keys) else keys
-        find = self._find if _exchange.active() is None else self._find_everywhere
+        if _exchange.active() is not None:
+            find = self._find_everywhere
+        else:
+            _exchange.warn_if_partial(self.name)
+            find = self._find
         if keys.shape.rank == 1:  # the common case needs no reshapes
             values, exists = find(self._keys(keys))
             return (values, exists) if return_exists else values
@@ -316,6 +320,7 @@ class Variable(tf.Module):
     def _read_unique(self, unique_keys):
         """Rows of deduplicated keys for a plain (non-training) read."""
         if _exchange.active() is None:
+            _exchange.warn_if_partial(self.name)
             return self._find(unique_keys)[0]
         return self._find_everywhere(unique_keys)[0]
 

@@ -7,6 +7,7 @@ scripts/test.sh makes it and runs this directory with TF_USE_LEGACY_KERAS=1."""
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,13 @@ def test_bare_hvd_init_is_refused_with_the_fix(tmp_path, tag):
     with pytest.raises(JobFailed) as failed:
         run_job(tmp_path, 2, "hvd", "sgd", "cuckoo", tag, extra={"bare_hvd_init": True})
     assert "tfde.distributed.horovod.init()" in failed.value.output
+
+
+def test_a_killed_worker_stops_the_job(tmp_path, tag):
+    """Rank 1 dies (SIGKILL) after step 3 of a long job: horovodrun stops the
+    job with an error naming the failed process instead of hanging."""
+    start = time.monotonic()
+    with pytest.raises(JobFailed) as failed:
+        run_job(tmp_path, 2, "hvd", "sgd", "cuckoo", tag, extra={"repeat": 50, "die_worker": 1, "die_after_step": 3})
+    assert time.monotonic() - start < 120
+    assert "exited with non-zero status" in failed.value.output, failed.value.output[-3000:]

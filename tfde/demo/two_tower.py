@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import tfde
 from tfde.demo.data import Interactions
+from tfde.demo.engines import Engine
 
 
 class TwoTower(tf.keras.Model):
@@ -71,18 +72,21 @@ def in_batch_dataset(users, items, batch_size: int, seed: int, shuffle: bool = T
     return ds.map(lambda f: (f, tf.range(tf.shape(f["item"])[0])), num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
 
 
-def recall_at_k(model: TwoTower, data: Interactions, k: int = 100, max_eval: int = 20_000) -> float:
+def recall_at_k(model: TwoTower, data: Interactions, k: int = 100, max_eval: int = 20_000, reader=None) -> float:
     """Fraction of held-out (user, item) pairs whose item is in the user's
-    top-k over all items."""
+    top-k over all items.  reader(fn) wraps the model's vector functions
+    (Engine.reader: distributed reads); default: call them as they are."""
+    reader = reader or (lambda fn: fn)
+    user_vectors = reader(lambda ids: model.user_vectors(ids, training=False))
+    item_vectors = reader(lambda ids: model.item_vectors(ids, training=False))
     items = tf.constant(data.all_items)
-    item_vecs = tf.concat([model.item_vectors(items[i:i + 8192], training=False)
-                           for i in range(0, len(data.all_items), 8192)], 0)
+    item_vecs = tf.concat([item_vectors(items[i:i + 8192]) for i in range(0, len(data.all_items), 8192)], 0)
     users, targets = data.test_users[:max_eval], data.test_items[:max_eval]
     pos_of_item = {int(x): i for i, x in enumerate(data.all_items)}
     target_pos = np.array([pos_of_item[int(x)] for x in targets])
     hits = 0
     for s in range(0, len(users), 2048):
-        u = model.user_vectors(tf.constant(users[s:s + 2048].astype(str)), training=False)
+        u = user_vectors(tf.constant(users[s:s + 2048].astype(str)))
         _, top = tf.math.top_k(tf.matmul(u, item_vecs, transpose_b=True), k=min(k, len(data.all_items)))
         hits += int(np.sum(np.any(top.numpy() == target_pos[s:s + 2048, None], axis=1)))
     return hits / len(users)
@@ -96,12 +100,17 @@ def most_popular_recall(data: Interactions, k: int = 100, max_eval: int = 20_000
 
 
 class TableSizes(tf.keras.callbacks.Callback):
-    """Prints the rows stored per table at the end of every epoch."""
+    """Prints the rows stored per table at the end of every epoch (with
+    several workers: this worker's shard)."""
+
+    def __init__(self, label="table rows"):
+        super().__init__()
+        self.label = label
 
     def on_epoch_end(self, epoch, logs=None):
         sizes = {layer.name: int(layer.params.size()) for layer in (self.model.user_embedding,
                                                                      self.model.item_embedding)}
-        print("table rows: " + ", ".join(f"{name} {n:,}" for name, n in sizes.items()))
+        print(f"{self.label}: " + ", ".join(f"{name} {n:,}" for name, n in sizes.items()))
 
 
 class ExamplesPerSecond(tf.keras.callbacks.Callback):
@@ -109,7 +118,7 @@ class ExamplesPerSecond(tf.keras.callbacks.Callback):
 
     def __init__(self, batch_size: int, verbose: bool = True):
         super().__init__()
-        self.batch_size, self.verbose = batch_size, verbose
+        self.batch_size, self.verbose = batch_size, verbose  # batch_size: examples per step, all workers
         self.rates = []
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -138,39 +147,54 @@ def make_optimizer(name: str, learning_rate: float):
 
 def train(data: Interactions, epochs: int = 2, batch_size: int = 1024, embedding_dim: int = 64,
           learning_rate: float = 0.01, optimizer: str = "adam", seed: int = 0, table_creator=None,
-          verbose: int = 1, k: int = 100, policy: str = None, max_rows: int = None, min_count: int = None) -> dict:
+          verbose: int = 1, k: int = 100, policy: str = None, max_rows: int = None, min_count: int = None,
+          engine=None) -> dict:
     """Trains the demo model; returns figures (loss, examples/s, recalls).
 
     policy: None, 'frequency' or 'timestamp' (restrict policy of both tables);
     max_rows: keep each table at most this big (RestrictCallback, needs a
-    policy; 'frequency' if none given); min_count: CounterFilter admission."""
+    policy; 'frequency' if none given); min_count: CounterFilter admission.
+    engine: a tfde.demo.engines.Engine (one worker of several), or None.
+    With several workers each trains on its share of the data with batch_size
+    examples per step; only the chief (worker 0) prints."""
+    engine = engine or Engine(None)
+    if not engine.chief:
+        verbose = 0
     tf.keras.utils.set_random_seed(seed)
     if max_rows and not policy:
         policy = "frequency"
     policies = {None: None, "frequency": tfde.FrequencyRestrictPolicy, "timestamp": tfde.TimestampRestrictPolicy}
     if policy not in policies:
         raise tfde.ConfigError(f"policy must be 'frequency' or 'timestamp', got {policy!r}")
-    model = TwoTower(embedding_dim=embedding_dim, table_creator=table_creator, seed=seed,
-                     restrict_policy=policies[policy], min_count=min_count)
-    model.compile(optimizer=make_optimizer(optimizer, learning_rate),
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rate = ExamplesPerSecond(batch_size, verbose=bool(verbose))
-    callbacks = [rate, TableSizes()] if verbose else [rate]
+    with engine.scope():
+        model = TwoTower(embedding_dim=embedding_dim, table_creator=table_creator, seed=seed,
+                         restrict_policy=policies[policy], min_count=min_count)
+        model.compile(optimizer=engine.optimizer(make_optimizer(optimizer, learning_rate)),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rate = ExamplesPerSecond(batch_size * engine.size, verbose=bool(verbose))
+    sizes = TableSizes("table rows" if engine.size == 1 else "table rows of worker 0's shard")
+    callbacks = [rate, sizes] + engine.callbacks() if verbose else [rate] + engine.callbacks()
     if max_rows:
         # Trim to 90% when a table passes max_rows, so restriction (a scan of
         # the table) runs every few batches rather than after every batch.
         callbacks.append(tfde.keras.callbacks.RestrictCallback(max_size=max_rows,
                                                                num_reserved=max(1, int(max_rows * 0.9))))
-    ds = in_batch_dataset(data.train_users, data.train_items, batch_size, seed)
-    history = model.fit(ds, epochs=epochs, verbose=verbose, callbacks=callbacks)
-    recall = recall_at_k(model, data, k)
+    if engine.size == 1:
+        ds, steps = in_batch_dataset(data.train_users, data.train_items, batch_size, seed), None
+    else:  # every worker takes the same number of steps through its share, repeated
+        users, items = engine.shard(data.train_users), engine.shard(data.train_items)
+        ds = engine.dataset(lambda: in_batch_dataset(users, items, batch_size, seed).repeat())
+        steps = engine.steps_per_epoch(data.num_train, batch_size)
+    history = model.fit(ds, epochs=epochs, verbose=verbose, callbacks=callbacks, steps_per_epoch=steps)
+    recall = recall_at_k(model, data, k, reader=engine.reader)
     baseline = most_popular_recall(data, k)
     return {
         "loss": float(history.history["loss"][-1]),
         "examples_per_s": float(np.median(rate.rates)),
         f"recall@{k}": recall,
         f"most_popular_recall@{k}": baseline,
-        "user_rows": int(model.user_embedding.params.size()),
+        "user_rows": int(model.user_embedding.params.size()),  # this worker's shard
         "item_rows": int(model.item_embedding.params.size()),
+        "workers": engine.size, "chief": engine.chief,
         "model": model,
     }
