@@ -534,31 +534,34 @@ class ExportOp : public TableOpBase<TK> {
     const int64_t max_rows = max_rows_t.scalar<int64_t>()();
     OP_REQUIRES(ctx, cursor >= 0, errors::InvalidArgument("export cursor must be >= 0, got ", cursor));
     OP_REQUIRES(ctx, max_rows > 0, errors::InvalidArgument("export max_rows must be > 0, got ", max_rows));
-    // Collect first (sizes unknown until the walk is done), then copy out.
-    std::vector<typename TableOpBase<TK>::K> keys;
-    std::vector<char> rows;
+    // Rows go straight into the outputs, allocated for at most the rows the
+    // table holds now; rows inserted meanwhile wait for the next chunk (the
+    // cursor says where it starts), rows removed meanwhile leave the outputs
+    // shorter (a prefix slice of the same buffers).
     const int64_t vb = table->value_bytes();
-    const int64_t reserve = std::min<int64_t>(max_rows, table->core.Size());
-    keys.reserve(reserve);
-    rows.reserve(reserve * vb);
-    int64_t next = -1;
+    const int64_t cap = std::min<int64_t>(max_rows, table->core.Size());
+    Tensor keys_t, values_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DataTypeToEnum<TK>::value, TensorShape({cap}), &keys_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(table->value_dtype(), TensorShape({cap, table->dim()}), &values_t));
+    AdviseHugePages(values_t);
+    auto kflat = keys_t.flat<TK>();
+    char* vdst = const_cast<char*>(values_t.tensor_data().data());
+    int64_t m = 0, next = -1;
     try {
-      next = table->core.Export(cursor, max_rows, [&](const auto& k, const char* row) {
-        keys.push_back(k);
-        rows.insert(rows.end(), row, row + vb);
+      next = table->core.Export(cursor, std::max<int64_t>(cap, 1), [&](const auto& k, const char* row) {
+        if (m == cap) return;  // only when cap == 0: the walk then returns at the first row
+        kflat(m) = TK(k);
+        std::memcpy(vdst + m * vb, row, vb);
+        ++m;
       });
     }
     TFDE_CATCH(ctx, "export")
     if (!ctx->status().ok()) return;
-    const int64_t m = static_cast<int64_t>(keys.size());
-    Tensor *keys_out = nullptr, *values_out = nullptr, *next_out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({m}), &keys_out));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({m, table->dim()}), &values_out));
+    if (cap == 0) next = next < 0 ? -1 : cursor;  // empty output; resume where we were
+    ctx->set_output(0, keys_t.Slice(0, m));
+    ctx->set_output(1, values_t.Slice(0, m));
+    Tensor* next_out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &next_out));
-    AdviseHugePages(*values_out);
-    auto kflat = keys_out->flat<TK>();
-    for (int64_t i = 0; i < m; ++i) kflat(i) = TK(keys[i]);
-    if (m > 0) std::memcpy(const_cast<char*>(values_out->tensor_data().data()), rows.data(), m * vb);
     next_out->scalar<int64_t>()() = next;
   }
 };
