@@ -83,6 +83,8 @@ class Model(tf.keras.Model):
     def __init__(self):
         super().__init__()
         emb = dict(initializer=tf.keras.initializers.RandomNormal(stddev=0.3, seed=1), table_creator=creator)
+        if cfg.get("restrict"):
+            emb["restrict_policy"] = tfde.FrequencyRestrictPolicy
         self.user_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.string, name="user_emb", **emb)
         self.item_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.int64, name="item_emb", **emb)
         self.dense = tf.keras.layers.Dense(4, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2),
@@ -96,6 +98,13 @@ class Model(tf.keras.Model):
 
 def build():
     return Model()
+
+
+def restrict_callbacks():
+    """Frequency restriction to cfg["restrict"] keys every 2 steps, when asked for."""
+    if not cfg.get("restrict"):
+        return []
+    return [tfde.keras.callbacks.RestrictCallback(every_n_steps=2, num_reserved=cfg["restrict"])]
 
 
 def optimizer():
@@ -129,17 +138,19 @@ if cfg["engine"] == "hvd":
             os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-training
 
     model.fit(dataset(), epochs=1, verbose=0, callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
-                                                    tf.keras.callbacks.LambdaCallback(on_train_batch_end=maybe_die)])
+                                                    tf.keras.callbacks.LambdaCallback(on_train_batch_end=maybe_die)]
+              + restrict_callbacks())
 elif cfg["engine"] == "fit":
     with strategy.scope():
         model.compile(optimizer=opt, loss="mse")
     if N > 1 and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
         data = tf.keras.utils.experimental.DatasetCreator(lambda ctx: dataset(ctx))
-        model.fit(data, epochs=1, steps_per_epoch=T, verbose=0)
+        model.fit(data, epochs=1, steps_per_epoch=T, verbose=0, callbacks=restrict_callbacks())
     elif N > 1:  # Keras 3 has no DatasetCreator
-        model.fit(strategy.distribute_datasets_from_function(dataset), epochs=1, steps_per_epoch=T, verbose=0)
+        model.fit(strategy.distribute_datasets_from_function(dataset), epochs=1, steps_per_epoch=T, verbose=0,
+                  callbacks=restrict_callbacks())
     else:
-        model.fit(dataset(), epochs=1, verbose=0)
+        model.fit(dataset(), epochs=1, verbose=0, callbacks=restrict_callbacks())
 else:
     # Custom loop: create the model's and the optimizer's variables under the
     # strategy's scope before the first step, as Keras 3 needs.
@@ -161,8 +172,12 @@ else:
         strategy.run(replica_step, args=batch)
 
     data = strategy.distribute_datasets_from_function(dataset) if N > 1 else dataset()
+    auto = tfde.AutoRestrictor([model.user_emb.params, model.item_emb.params], every_n_steps=2,
+                               num_reserved=cfg["restrict"]) if cfg.get("restrict") else None
     for number, batch in enumerate(data):
         step(batch)
+        if auto is not None:
+            auto.after_step(number + 1)
         print(f"worker {index} finished step {number}", flush=True)
         if index == cfg.get("die_worker") and number == cfg.get("die_after_step"):
             os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-training

@@ -54,3 +54,24 @@ def test_a_killed_worker_makes_the_others_fail_not_hang(tmp_path, tag):
     assert str(failed.value).startswith("worker 0 of 2 failed"), str(failed.value)[:300]
     assert elapsed < 120, f"took {elapsed:.0f} s"
     assert re.search(r"unhealthy|crashed|Unavailable|DeadlineExceeded", out), out[-3000:]
+
+
+RESTRICT_CASES = [("fit", "adam", "cuckoo"), ("fit", "sgd", "redis")] if LEGACY else \
+    [("loop", "sgd", "cuckoo"), ("loop", "adam", "redis")]
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize("engine,optimizer,layout", RESTRICT_CASES)
+def test_restriction_keeps_what_one_worker_keeps(tmp_path, tag, engine, optimizer, layout):
+    """Frequency restriction to 15 keys every 2 steps (AutoRestrictor in the
+    loop, RestrictCallback in fit), while training: both workers together keep
+    exactly the keys one worker keeps, and train on to the same rows, slots
+    and policy state."""
+    one = run_job(tmp_path, 1, engine, optimizer, layout, tag, extra={"restrict": 15})
+    two = run_job(tmp_path, 2, engine, optimizer, layout, tag, extra={"restrict": 15})
+    check_equal(one, two)
+    tables = one[0]
+    assert "user_emb/policy-count" in tables or any(name.startswith("user_emb/policy") for name in tables), \
+        sorted(tables)
+    for name in ("user_emb", "item_emb"):
+        assert 15 <= len(tables[name]) < 40, (name, len(tables[name]))  # unrestricted: ~60 and ~90

@@ -12,7 +12,7 @@ if (_major, _minor) < (2, 16):
     raise ImportError(f"tfde needs TensorFlow >= 2.16, found {_tf.__version__}; "
                       "upgrade with `pip install -U 'tensorflow-cpu>=2.16'` (or tensorflow)")
 
-from tfde import errors, hashing, initializers, tables  # noqa: E402
+from tfde import errors, exchange, hashing, initializers, tables  # noqa: E402
 from tfde.admission import AdmissionFilter, CounterFilter, ProbabilityFilter  # noqa: E402
 from tfde.errors import (BackendUnavailableError, CapacityError, ConfigError, ShapeError, TfdeError,  # noqa: E402
                          UnsupportedOptimizerError)

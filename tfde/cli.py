@@ -49,6 +49,10 @@ def _train(args) -> int:
     from tfde.demo.two_tower import train
 
     engine = Engine(args.engine if args.as_worker else None)
+    if args.exchange_stats:
+        import tfde
+
+        tfde.exchange.enable_stats()
     say = print if engine.chief else (lambda *a, **k: None)
 
     creator = None
@@ -76,6 +80,12 @@ def _train(args) -> int:
     k = args.k
     if not engine.chief:
         return 0 if result[f"recall@{k}"] > result[f"most_popular_recall@{k}"] else 1
+    ex = result["exchange"]
+    if ex and ex["steps"]:
+        steps = ex["steps"]
+        print(f"exchange (worker 0): {ex['bytes'] / steps / 1024:,.1f} KiB/step handed to collectives, "
+              f"{1000 * ex['seconds'] / steps:.1f} ms/step in them of {1000 * ex['fit_seconds'] / steps:.1f} ms/step, "
+              f"{ex['calls'] / steps:.0f} calls/step")
     shard = " (worker 0's shard)" if engine.size > 1 else ""
     print(f"rows stored{shard}: {result['user_rows']:,} users, {result['item_rows']:,} items")
     print(f"final loss {result['loss']:.4f}, {result['examples_per_s']:,.0f} examples/s" + (" (all workers)" if engine.size > 1 else ""))
@@ -126,7 +136,11 @@ def main(argv=None) -> int:
                                                           "(synchronous; each owns a shard of every table)")
     t.add_argument("--engine", choices=["mwms", "horovod"], default="mwms",
                    help="with --workers: MultiWorkerMirroredStrategy (TF_CONFIG) or Horovod (horovodrun)")
-    t.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)  # set by the launcher
+    t.add_argument("--as-worker", action="store_true",
+                   help="run as one worker of a job started elsewhere (TF_CONFIG or horovodrun); the launcher "
+                        "of --workers sets it")
+    t.add_argument("--exchange-stats", action="store_true",
+                   help="measure the multi-worker exchange (bytes and time in collectives per step)")
     t.set_defaults(fn=_train)
     b = sub.add_parser("build", help="compile the native op library for the installed TensorFlow")
     b.add_argument("--force", action="store_true")

@@ -40,6 +40,7 @@ import sys
 import warnings
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tfde.errors import ConfigError
@@ -105,10 +106,10 @@ class GatherExchange(Exchange):
         self.size = ctx.num_replicas_in_sync
 
     def _gather(self, tensor):
-        return self.ctx.all_gather(tensor, axis=0)
+        return _measured(lambda t: self.ctx.all_gather(t, axis=0), tensor)
 
     def _sum(self, tensor):
-        return self.ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensor)
+        return _measured(lambda t: self.ctx.all_reduce(tf.distribute.ReduceOp.SUM, t), tensor)
 
     def rows_for(self, unique_keys, find):
         sizes = self._gather(tf.shape(unique_keys, out_type=tf.int32)[:1])
@@ -135,10 +136,12 @@ class AllToAllExchange(Exchange):
     max_over_workers(scalar) -> scalar.  gradient_scale: the factor for
     summed gradients (1/size where the engine's convention is to average)."""
 
-    def __init__(self, rank, size, alltoall, max_over_workers, gradient_scale=1.0):
+    def __init__(self, rank, size, alltoall, max_over_workers, gradient_scale=1.0, all_gather=None):
         self.rank, self.size = rank, size
-        self._alltoall, self._max = alltoall, max_over_workers
+        self._alltoall = lambda t, splits: _measured(lambda x: alltoall(x, splits), t)
+        self._max = lambda t: _measured(max_over_workers, t)
         self._scale = gradient_scale
+        self.all_gather = all_gather  # (tensor) -> concatenation over workers, for HostCollectives
 
     def gradient_scale(self, already_scaled: bool) -> float:
         return 1.0 if already_scaled else self._scale
@@ -174,6 +177,56 @@ class AllToAllExchange(Exchange):
         received, _ = self._send_keys(tf.gather(keys, order), splits)
         received_grads, _ = self._alltoall(tf.gather(summed, order), splits)
         return _sum_per_key(received, received_grads)
+
+
+class HostCollectives:
+    """Collectives for code that runs between steps, eagerly, on every worker
+    (restriction): gather(numpy [k] array) -> concatenation over workers in
+    worker order; total(int) -> sum over workers; rank, size as in Exchange."""
+
+    def __init__(self, gather_fn, rank: int, size: int):
+        self._gather, self.rank, self.size = gather_fn, rank, size
+
+    def gather(self, array):
+        return self._gather(tf.constant(array)).numpy()
+
+    def total(self, value: int) -> int:
+        return int(self.gather(np.array([value], np.int64)).sum())
+
+
+def host_collectives(strategy=None) -> Optional[HostCollectives]:
+    """HostCollectives of the job this process is a worker of, or None when it
+    trains alone; `strategy`: the tf.distribute strategy to use when none is
+    in scope.  Every worker must make the same calls in the same order."""
+    if _installed is not None and _installed.size > 1:
+        if getattr(_installed, "all_gather", None) is None:
+            raise ConfigError(f"the installed exchange {type(_installed).__name__} has no all_gather for "
+                              "between-step collectives")
+        return HostCollectives(_installed.all_gather, int(_installed.rank), _installed.size)
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    if strategy is None or strategy.num_replicas_in_sync <= 1:
+        return None
+    if tf.distribute.has_strategy() and tf.distribute.get_replica_context() is not None:
+        raise ConfigError("restriction runs between training steps, not inside strategy.run; call it from the "
+                          "training loop (tfde.AutoRestrictor) or a Keras callback (RestrictCallback)")
+
+    @tf.function(reduce_retracing=True)
+    def gather(t):
+        # tf.identity places the input on the replica's device: the collective
+        # refuses a tensor that has none ("destinations can not be empty").
+        return strategy.run(lambda x: tf.distribute.get_replica_context().all_gather(tf.identity(x), axis=0),
+                            args=(t,))
+
+    @tf.function
+    def rank():
+        return strategy.run(lambda: tf.identity(tf.distribute.get_replica_context().replica_id_in_sync_group))
+
+    def in_scope(fn, *args):
+        with strategy.scope():
+            return strategy.experimental_local_results(fn(*args))[0]
+
+    return HostCollectives(lambda t: in_scope(gather, t), int(in_scope(rank)), strategy.num_replicas_in_sync)
 
 
 def install(exchange: Optional[Exchange]) -> None:
@@ -231,6 +284,68 @@ def _refuse_bare_horovod():
             f"Horovod runs {hvd.size()} workers but tfde's exchange is not installed, so tfde Variables would "
             "train each worker's keys apart; call tfde.distributed.horovod.init() (it calls hvd.init()) before "
             "building the model")
+
+
+# ---------------------------------------------------------------- measuring
+
+class ExchangeStats:
+    """What this process handed to the exchange's collectives: payload bytes,
+    seconds spent inside them (waiting for the other workers included) and
+    calls, accumulated in plain local variables.  Enabled by
+    enable_stats(); read with .read() (eager)."""
+
+    def __init__(self):
+        self._vars = None
+
+    def _variables(self):
+        if self._vars is None:
+            from tensorflow.python.ops import resource_variable_ops
+
+            with tf.init_scope():  # created on first use, outside any strategy's mirroring
+                self._vars = [resource_variable_ops.ResourceVariable(tf.zeros([], dt), trainable=False)
+                              for dt in (tf.int64, tf.float64, tf.int64)]
+        return self._vars
+
+    def record(self, nbytes, seconds):
+        b, s, c = self._variables()
+        return tf.group(b.assign_add(nbytes), s.assign_add(seconds), c.assign_add(1))
+
+    def read(self) -> dict:
+        if self._vars is None:
+            return {"bytes": 0, "seconds": 0.0, "calls": 0}
+        b, s, c = self._vars
+        return {"bytes": int(b.numpy()), "seconds": float(s.numpy()), "calls": int(c.numpy())}
+
+
+_stats: Optional[ExchangeStats] = None
+
+
+def enable_stats() -> ExchangeStats:
+    """Starts measuring the exchange of this process (for benchmarks)."""
+    global _stats
+    if _stats is None:
+        _stats = ExchangeStats()
+    return _stats
+
+
+def stats() -> Optional[ExchangeStats]:
+    """The measurements started by enable_stats(), or None."""
+    return _stats
+
+
+def _measured(collective, tensor):
+    """collective(tensor), timed and counted when stats are enabled."""
+    if _stats is None:
+        return collective(tensor)
+    with tf.control_dependencies([tensor]):
+        start = tf.timestamp()
+    with tf.control_dependencies([start]):
+        out = collective(tf.identity(tensor))
+    with tf.control_dependencies(tf.nest.flatten(out)):
+        seconds = tf.timestamp() - start
+    nbytes = tf.size(tensor, out_type=tf.int64) * tensor.dtype.size
+    with tf.control_dependencies([_stats.record(nbytes, seconds)]):
+        return tf.nest.map_structure(tf.identity, out)
 
 
 _BYTES = [bytes([b]) for b in range(256)]  # byte value -> 1-byte string

@@ -18,6 +18,13 @@ tfde.keras.callbacks.RestrictCallback apply it automatically.
 Restriction is meant to run between training steps (the automatic helpers
 do); a training step that runs concurrently may write a key back after it
 was removed.
+
+In distributed training (tfde/exchange.py) every worker must call
+restrict() at the same point (the automatic helpers decide with the global
+table size, so they do); the workers then keep exactly the keys one worker
+would keep: sizes are summed over workers' shards, each worker's best
+num_reserved candidates are gathered to find the global cut, and each worker
+removes its own keys below it (with a shared Redis store, the keys it owns).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from tfde import exchange
 from tfde.errors import ConfigError
 from tfde.hashing import stable_hash
 
@@ -59,6 +67,33 @@ class RestrictPolicy(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not restrict")
 
 
+class _WorkerView:
+    """What one worker of a distributed job decides for (see the module
+    docstring); with one worker, everything."""
+
+    def __init__(self, variable):
+        self.variable = variable
+        self.host = exchange.host_collectives(variable._strategy)
+        self.shared = variable.tables[0].shared_between_workers
+
+    def size(self) -> int:
+        """Keys stored over all workers."""
+        local = int(self.variable.size())
+        return local if self.host is None or self.shared else self.host.total(local)
+
+    def mine(self, keys_tensor) -> Optional[np.ndarray]:
+        """bool mask of the keys this worker decides for, or None for all."""
+        if self.host is None or not self.shared:
+            return None
+        return exchange.owner(keys_tensor, self.host.size).numpy() == self.host.rank
+
+
+def global_size(variable) -> int:
+    """Keys stored by `variable` over every worker of the job (every worker
+    must call it at the same point)."""
+    return _WorkerView(variable).size()
+
+
 class _ScoredPolicy(RestrictPolicy):
     """Keeps one float64 score per key in a slot named `policy-{state}`;
     restrict() keeps the highest scores."""
@@ -73,15 +108,20 @@ class _ScoredPolicy(RestrictPolicy):
         for keys, _ in self.variable.export(CHUNK_ROWS):
             yield keys
 
-    def _scored(self):
-        """(keys, scores, stable hashes) of every stored key, numpy."""
+    def _scored(self, view: Optional[_WorkerView] = None):
+        """(keys, scores, stable hashes) of every stored key this worker
+        decides for, numpy (empty arrays when there are none)."""
         keys, scores, hashes = [], [], []
         for chunk in self._stored_keys():
+            mask = view.mine(chunk) if view is not None else None
+            if mask is not None:
+                chunk = tf.boolean_mask(chunk, mask)
             keys.append(chunk.numpy())
             scores.append(self.scores.lookup(chunk).numpy()[:, 0])
             hashes.append(stable_hash(chunk).numpy().view(np.uint64))
         if not keys:
-            return None
+            return (np.zeros([0], self.variable.key_dtype.as_numpy_dtype if self.variable.key_dtype != tf.string
+                             else object), np.zeros([0]), np.zeros([0], np.uint64))
         return np.concatenate(keys), np.concatenate(scores), np.concatenate(hashes)
 
     def restrict(self, num_reserved: Optional[int] = None, trigger: Optional[int] = None) -> int:
@@ -89,15 +129,26 @@ class _ScoredPolicy(RestrictPolicy):
                 or num_reserved < 0:
             raise ConfigError(f"num_reserved must be an int >= 0, got {num_reserved!r}")
         trigger = num_reserved if trigger is None else trigger
-        if int(self.variable.size()) <= trigger:
+        view = _WorkerView(self.variable)
+        if view.size() <= trigger:
             return 0
-        scored = self._scored()
-        if scored is None:
-            return 0
-        keys, scores, hashes = scored
+        keys, scores, hashes = self._scored(view)
         order = np.lexsort((hashes, -scores))  # best score first, then smaller stable hash
-        drop = keys[order[num_reserved:]]
-        return self._remove(drop)
+        if view.host is None:
+            return self._remove(keys[order[num_reserved:]])
+        # The global cut: no worker keeps more than num_reserved keys, so the
+        # best num_reserved of each worker hold the global best num_reserved.
+        best = order[:num_reserved]
+        all_scores = view.host.gather(scores[best])
+        all_hashes = view.host.gather(hashes[best].view(np.int64)).view(np.uint64)
+        if len(all_scores) <= num_reserved:
+            return 0
+        last = np.lexsort((all_hashes, -all_scores))[num_reserved - 1] if num_reserved > 0 else None
+        if last is None:
+            return self._remove(keys)
+        cut_score, cut_hash = all_scores[last], all_hashes[last]
+        keep = (scores > cut_score) | ((scores == cut_score) & (hashes <= cut_hash))
+        return self._remove(keys[~keep])
 
     def _remove(self, keys: np.ndarray) -> int:
         removed = 0
@@ -168,10 +219,7 @@ class TTLPolicy(TimestampRestrictPolicy):
         if num_reserved is not None or trigger is not None:
             raise ConfigError("TTLPolicy.restrict() takes no num_reserved or trigger: the TTL decides")
         now = time.time() if self.clock == "wall" else float(self._latest_step.numpy())
-        scored = self._scored()
-        if scored is None:
-            return 0
-        keys, scores, _ = scored
+        keys, scores, _ = self._scored(_WorkerView(self.variable))
         return self._remove(keys[scores < now - self.ttl])
 
 
@@ -215,7 +263,7 @@ class AutoRestrictor:
         removed = 0
         scheduled = self.every_n_steps is not None and step % self.every_n_steps == 0
         for v in self.variables:
-            over = self.max_size is not None and int(v.size()) > self.max_size
+            over = self.max_size is not None and global_size(v) > self.max_size
             if not (scheduled or over):
                 continue
             if isinstance(v.restrict_policy, TTLPolicy):

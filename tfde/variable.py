@@ -69,7 +69,7 @@ class Variable(tf.Module):
     # The keys of the step buffer are bookkeeping of this process, not model
     # state: kept out of .variables, so that Keras models do not list them
     # (Horovod's broadcast of model.variables cannot carry strings).
-    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_keys_buffer"}
+    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_keys_buffer", "_strategy"}
 
     def __init__(self, name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1,
                  initializer=None, seed: Optional[int] = None, num_shards: int = 1,
@@ -89,6 +89,9 @@ class Variable(tf.Module):
         if not isinstance(self.table_creator, TableCreator):
             raise ConfigError(f"table_creator must be a tfde TableCreator, got {type(self.table_creator).__name__}")
         self.trainable = bool(trainable)
+        # The tf.distribute strategy in scope at creation: between-step work
+        # (restriction) finds its workers through it even outside the scope.
+        self._strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
         with tf.init_scope():
             self._tables = [self.table_creator.create(self._table_name(i), self.key_dtype, self.value_dtype, dim)
                             for i in range(num_shards)]

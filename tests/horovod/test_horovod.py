@@ -61,3 +61,12 @@ def test_a_killed_worker_stops_the_job(tmp_path, tag):
         run_job(tmp_path, 2, "hvd", "sgd", "cuckoo", tag, extra={"repeat": 50, "die_worker": 1, "die_after_step": 3})
     assert time.monotonic() - start < 120
     assert "exited with non-zero status" in failed.value.output, failed.value.output[-3000:]
+
+
+@pytest.mark.parametrize("layout", ["cuckoo", "redis"])
+def test_restriction_keeps_what_one_worker_keeps(tmp_path, tag, layout):
+    one = run_job(tmp_path, 1, "hvd", "adam", layout, tag, extra={"restrict": 15})
+    two = run_job(tmp_path, 2, "hvd", "adam", layout, tag, extra={"restrict": 15})
+    check_equal(one, two)
+    for name in ("user_emb", "item_emb"):
+        assert 15 <= len(one[0][name]) < 40, (name, len(one[0][name]))

@@ -185,7 +185,10 @@ def train(data: Interactions, epochs: int = 2, batch_size: int = 1024, embedding
         users, items = engine.shard(data.train_users), engine.shard(data.train_items)
         ds = engine.dataset(lambda: in_batch_dataset(users, items, batch_size, seed).repeat())
         steps = engine.steps_per_epoch(data.num_train, batch_size)
+    fit_start = time.perf_counter()
     history = model.fit(ds, epochs=epochs, verbose=verbose, callbacks=callbacks, steps_per_epoch=steps)
+    fit_seconds = time.perf_counter() - fit_start
+    exchanged = tfde.exchange.stats().read() if tfde.exchange.stats() is not None else None
     recall = recall_at_k(model, data, k, reader=engine.reader)
     baseline = most_popular_recall(data, k)
     return {
@@ -196,5 +199,9 @@ def train(data: Interactions, epochs: int = 2, batch_size: int = 1024, embedding
         "user_rows": int(model.user_embedding.params.size()),  # this worker's shard
         "item_rows": int(model.item_embedding.params.size()),
         "workers": engine.size, "chief": engine.chief,
+        # With tfde.exchange.enable_stats(): this worker's exchange traffic per training step.
+        "exchange": None if exchanged is None else {
+            "steps": len(history.history["loss"]) * (steps or len(data.train_items) // batch_size),
+            "fit_seconds": fit_seconds, **exchanged},
         "model": model,
     }

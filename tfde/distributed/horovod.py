@@ -45,7 +45,7 @@ class HorovodExchange(exchange.AllToAllExchange):
             rank=hvd.rank(), size=hvd.size(),
             alltoall=lambda t, splits: hvd.alltoall(t, splits=splits),
             max_over_workers=lambda x: hvd.allreduce(x, op=hvd.Max),
-            gradient_scale=1.0 / hvd.size())
+            gradient_scale=1.0 / hvd.size(), all_gather=hvd.allgather)
 
 
 def init(*args, **kwargs):

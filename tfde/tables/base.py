@@ -39,6 +39,9 @@ class Table:
     key_dtype: tf.DType
     value_dtype: tf.DType
     dim: int
+    # True when every worker of a distributed job sees the same store (Redis),
+    # False when each worker's table is its own (cuckoo: sharded layout).
+    shared_between_workers = False
 
     def find(self, keys, missing: Missing) -> Tuple[tf.Tensor, tf.Tensor]:
         """Rows of `keys` ([n, dim]) and whether each key is stored ([n] bool).

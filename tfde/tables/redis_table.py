@@ -164,6 +164,8 @@ class RedisTable(Table, trackable_base.Trackable):
     Thread-safety: every method may be called from several threads; each
     command is atomic on the server, accum is atomic per key (Lua)."""
 
+    shared_between_workers = True  # every worker of a job reads and writes the same Redis tables
+
     def __init__(self, name, key_dtype, value_dtype, dim, config: RedisTableConfig, clients=None):
         self.key_dtype, self.value_dtype, self.dim = check_dtypes(key_dtype, value_dtype, dim)
         self.name = name
