@@ -75,3 +75,34 @@ def test_restriction_keeps_what_one_worker_keeps(tmp_path, tag, engine, optimize
         sorted(tables)
     for name in ("user_emb", "item_emb"):
         assert 15 <= len(tables[name]) < 40, (name, len(tables[name]))  # unrestricted: ~60 and ~90
+
+
+@pytest.mark.keras
+def test_mirrored_strategy_on_one_cpu_trains_like_no_strategy():
+    """MirroredStrategy on this process's CPU (one replica): model.fit trains
+    exactly as without a strategy."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tfde
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 50, size=256).astype(np.int64)
+    y = rng.random(256).astype(np.float32)
+
+    def train(strategy):
+        with strategy.scope():
+            model = tf.keras.Sequential([
+                tf.keras.Input(shape=(), dtype=tf.int64),
+                tfde.keras.layers.Embedding(4, key_dtype=tf.int64, initializer=0.1, name="emb"),
+                tf.keras.layers.Dense(1, kernel_initializer="ones")])
+            model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2, verbose=0)
+        var = model.layers[0].params
+        keys = np.arange(50, dtype=np.int64)
+        return var.lookup(tf.constant(keys)).numpy(), int(var.size())
+
+    rows, size = train(tf.distribute.MirroredStrategy(["/cpu:0"]))
+    expected_rows, expected_size = train(tf.distribute.get_strategy())
+    assert size == expected_size == len(np.unique(x))
+    np.testing.assert_allclose(rows, expected_rows, rtol=1e-6, atol=1e-7)
