@@ -6,7 +6,8 @@ synthetic interactions, generated once and handed to both sides as one .npz),
 same batch, optimizer (Adam 0.01), shuffle seed, epochs and evaluation
 (held-out recall@100 over the whole catalogue, computed by the same numpy
 code).  Throughput is the median examples/s over 50-step windows after the
-first 20 steps (tracing and warm-up excluded).  Each side trains in a fresh
+first 20 steps (tracing and warm-up excluded); each side trains --rounds
+times (3), the sides alternating, and the figures are medians over rounds.  Each side trains in a fresh
 process; TFRA in its own venv under tf-keras (the only Keras it supports),
 tfde under tf-keras and under Keras 3.
 
@@ -16,8 +17,10 @@ tfde under tf-keras and under Keras 3.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -126,8 +129,11 @@ def redis_config(port: int, buckets: int = 2) -> dict:
 
 
 def measure(backends, interactions: int, epochs: int, with_tfra: bool, port: int = 6379, log=print,
-            redis_interactions: int = None) -> dict:
-    """{backend: {"data": ..., "tfde tf-keras": {...}, "tfde Keras 3": {...}, "TFRA tf-keras": {...}}}."""
+            redis_interactions: int = None, rounds: int = 1) -> dict:
+    """{backend: {"data": ..., "tfde tf-keras": {...}, "tfde Keras 3": {...}, "TFRA tf-keras": {...}}}.
+
+    rounds: every side trains this many times, the sides alternating within
+    a round (host drift hits all alike); examples/s and recall are medians."""
     results, infos = {}, {}
     with tempfile.TemporaryDirectory(prefix="tfde-e2e-") as tmp:
         for backend in backends:
@@ -142,7 +148,8 @@ def measure(backends, interactions: int, epochs: int, with_tfra: bool, port: int
                 sides.insert(0, ("TFRA tf-keras", "tfra", legacy, False))
             if backend == backends[0]:
                 sides.append((FLOOR, "tfde", legacy, True))
-            for label, system, extra_env, floor in sides:
+            runs = {label: [] for label, *_ in sides}
+            for _, (label, system, extra_env, floor) in itertools.product(range(rounds), sides):
                 cfg = {"seed": 0, "embedding_dim": 64, "output_dim": 32, "temperature": 0.1, "learning_rate": 0.01,
                        "batch_size": 1024, "epochs": epochs, "shuffle_buffer": 200_000, "k": 100, "floor": floor}
                 if backend == "redis":
@@ -158,9 +165,13 @@ def measure(backends, interactions: int, epochs: int, with_tfra: bool, port: int
                     cmd = [TFRA_PYTHON, str(HERE / "tfra_side.py"), "e2e", str(data), str(cfg_path)]
                 else:
                     cmd = [sys.executable, "-m", "benchmarks.e2e_bench", "--side", str(data), str(cfg_path)]
-                res[label] = _json_line(cmd, env, f"{label} ({backend})")
-                log(f"  e2e {backend} {label}: {res[label]['examples_per_s']:,.0f} examples/s, "
-                    f"recall@100 {res[label]['recall']:.4f}")
+                runs[label].append(_json_line(cmd, env, f"{label} ({backend})"))
+                log(f"  e2e {backend} {label}: {runs[label][-1]['examples_per_s']:,.0f} examples/s, "
+                    f"recall@100 {runs[label][-1]['recall']:.4f}")
+            for label, done in runs.items():
+                res[label] = {**done[-1], "rounds": done,
+                              "examples_per_s": statistics.median(r["examples_per_s"] for r in done),
+                              "recall": statistics.median(r["recall"] for r in done)}
             results[backend] = res
     return results
 
@@ -189,6 +200,7 @@ def main(argv=None) -> int:
                    help="interactions for the Redis backend (it is slower; same for both systems)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--port", type=int, default=6379, help="redis-server for the redis backend")
+    p.add_argument("--rounds", type=int, default=3, help="alternating trainings per side; medians reported")
     p.add_argument("--no-tfra", action="store_true")
     p.add_argument("--side", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -200,7 +212,7 @@ def main(argv=None) -> int:
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores; TF {info['tf']}, tfde git {info['git']}")
     results = measure(args.backends.split(","), args.interactions, args.epochs, not args.no_tfra, args.port,
-                      redis_interactions=args.redis_interactions)
+                      redis_interactions=args.redis_interactions, rounds=args.rounds)
     print("\n".join(report(results)))
     path = write_results("e2e", {"machine": info, "results": results})
     print(f"\nwritten: {path.relative_to(HERE.parent)}")

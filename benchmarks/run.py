@@ -1,6 +1,6 @@
 """All benchmarks in one run: tfde beside TFRA 0.8.1 on this machine.
 
-  python -m benchmarks.run                # everything (about 25 minutes on 2 cores)
+  python -m benchmarks.run                # everything (about 35 minutes on 2 cores)
   python -m benchmarks.run --quick        # smaller inputs, 1 round: a smoke run of every part (~3 minutes)
   python -m benchmarks.run --only table   # one part: table, redis or e2e
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         print("end to end", flush=True)
         r = e2e_bench.measure(["cuckoo", "redis"], 200_000 if args.quick else 1_000_000, 1 if args.quick else 2,
                               True, args.port, log=lambda m: print(m, flush=True),
-                              redis_interactions=50_000 if args.quick else 300_000)
+                              redis_interactions=50_000 if args.quick else 300_000, rounds=1 if args.quick else 3)
         results["e2e"] = r
         lines += e2e_bench.report(r)
     print("\n" + "\n".join(header + [""] + lines))

@@ -58,6 +58,11 @@ total = sum(sizes)
 all_users = np.array([f"u{int(i)}" for i in rng.zipf(1.3, size=total) % 97])
 all_items = (rng.zipf(1.2, size=total) % 211).astype(np.int64) * 1_000_003
 all_labels = rng.random(total).astype(np.float32)
+# The second half of the last global batch repeats keys of the first step, so
+# with 2 workers worker 1 sees no new key in the last step (the same data for
+# any number of workers).
+last = np.array_split(np.arange(total - sizes[-1], total), 2)[-1]
+all_users[last], all_items[last] = all_users[:len(last)], all_items[:len(last)]
 parts, start = [], 0
 for size in sizes:  # this worker's slice of each global batch
     part = np.array_split(np.arange(start, start + size), N)[index]
@@ -85,8 +90,12 @@ class Model(tf.keras.Model):
         emb = dict(initializer=tf.keras.initializers.RandomNormal(stddev=0.3, seed=1), table_creator=creator)
         if cfg.get("restrict"):
             emb["restrict_policy"] = tfde.FrequencyRestrictPolicy
-        self.user_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.string, name="user_emb", **emb)
-        self.item_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.int64, name="item_emb", **emb)
+        admission = {"counter": lambda: tfde.CounterFilter(2),
+                     "probability": lambda: tfde.ProbabilityFilter(0.5, seed=3)}.get(cfg.get("admission"))
+        self.user_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.string, name="user_emb",
+                                                    admission_filter=admission and admission(), **emb)
+        self.item_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.int64, name="item_emb",
+                                                    admission_filter=admission and admission(), **emb)
         self.dense = tf.keras.layers.Dense(4, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2),
                                            name="dense")
 

@@ -205,3 +205,14 @@ def test_policy_and_admission_inside_tf_function(backend, tmp_path):
         assert var.restrict(1) == 1 and stored(var) == {1}
     finally:
         cleanup()
+
+
+def test_one_filter_or_policy_instance_per_variable():
+    shared = tfde.CounterFilter(2)
+    tfde.Variable("adm-a", dim=2, admission_filter=shared)
+    with pytest.raises(tfde.ConfigError, match="one per Variable"):
+        tfde.Variable("adm-b", dim=2, admission_filter=shared)
+    policy = tfde.FrequencyRestrictPolicy()
+    tfde.Variable("pol-a", dim=2, restrict_policy=policy)
+    with pytest.raises(tfde.ConfigError, match="restrict_policy=tfde.FrequencyRestrictPolicy"):
+        tfde.Variable("pol-b", dim=2, restrict_policy=policy)

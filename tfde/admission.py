@@ -39,6 +39,10 @@ class AdmissionFilter(abc.ABC):
         self.variable = None
 
     def bind(self, variable) -> None:
+        if self.variable is not None and self.variable is not variable:
+            raise ConfigError(
+                f"this {type(self).__name__} already belongs to Variable {self.variable.name!r}; an admission filter "
+                f"keeps per-key state for one Variable: create one per Variable or layer (for {variable.name!r} too)")
         self.variable = variable
 
     @abc.abstractmethod

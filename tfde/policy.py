@@ -55,6 +55,11 @@ class RestrictPolicy(abc.ABC):
 
     def bind(self, variable) -> None:
         """Called once, when the Variable is created."""
+        if self.variable is not None and self.variable is not variable:
+            raise ConfigError(
+                f"this {type(self).__name__} already belongs to Variable {self.variable.name!r}; a policy keeps "
+                f"per-key state for one Variable: pass the class (restrict_policy=tfde.{type(self).__name__}) or "
+                f"one instance per Variable or layer (for {variable.name!r} too)")
         self.variable = variable
 
     @abc.abstractmethod
