@@ -203,6 +203,8 @@ def dump(var):
     return np.concatenate(keys), np.concatenate(rows)
 
 
+# Every worker's last writes are done before worker 0 reads the shared tables.
+tfde.exchange.barrier(strategy if N > 1 and cfg["engine"] != "hvd" else None)
 if cfg["layout"] == "cuckoo" or index == 0:
     out = {}
     for layer in (model.user_emb, model.item_emb):

@@ -229,6 +229,17 @@ def host_collectives(strategy=None) -> Optional[HostCollectives]:
     return HostCollectives(lambda t: in_scope(gather, t), int(in_scope(rank)), strategy.num_replicas_in_sync)
 
 
+def barrier(strategy=None) -> None:
+    """Returns when every worker has called it.  With a shared store (Redis),
+    call it after training and before another worker or process reads the
+    tables: each key is written by its owner, and the other workers' last
+    writes may still be under way when this worker finishes.  No-op when
+    this process trains alone."""
+    host = host_collectives(strategy)
+    if host is not None:
+        host.total(1)
+
+
 def install(exchange: Optional[Exchange]) -> None:
     """Makes `exchange` the one every tfde Variable uses (None removes it);
     for engines outside tf.distribute (tfde.distributed.horovod.init)."""
