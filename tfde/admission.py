@@ -71,7 +71,9 @@ class CounterFilter(AdmissionFilter):
 
     def admit(self, keys, stored):
         candidates = tf.boolean_mask(keys, ~stored)
-        seen = self.counts.lookup(candidates)[:, 0] + 1.0
+        # A local read: the candidates are this worker's own keys (in
+        # distributed training the owner decides), so no exchange is needed.
+        seen = self.counts._find(candidates)[0][:, 0] + 1.0
         admitted_new = seen >= float(self.min_count)
         waiting = tf.boolean_mask(candidates, ~admitted_new)
         ops = [self.counts.upsert(waiting, tf.boolean_mask(seen, ~admitted_new)[:, None]),

@@ -122,7 +122,9 @@ class _ScoredPolicy(RestrictPolicy):
             if mask is not None:
                 chunk = tf.boolean_mask(chunk, mask)
             keys.append(chunk.numpy())
-            scores.append(self.scores.lookup(chunk).numpy()[:, 0])
+            # A local read, never a collective one: each worker scores its own
+            # keys, and workers may hold different numbers of chunks.
+            scores.append(self.scores._find(chunk)[0].numpy()[:, 0])
             hashes.append(stable_hash(chunk).numpy().view(np.uint64))
         if not keys:
             return (np.zeros([0], self.variable.key_dtype.as_numpy_dtype if self.variable.key_dtype != tf.string
