@@ -150,3 +150,24 @@ def steady_rate(batch_end_times: list, batch_size: int, skip: int = 20, window: 
     if not rates:
         raise ValueError(f"too few steps ({len(batch_end_times)}) for a rate over {window}-step windows")
     return statistics.median(rates)
+
+
+def fit_and_evaluate(tf, model, cfg: dict, data, users, items, eval_users, eval_items) -> dict:
+    """The end-to-end run both sides share once their compiled model is
+    built: the tf.data pipeline (shuffle with cfg's seed, batches with in-batch
+    labels), model.fit with a timestamp per step, and held-out recall@k from
+    the model's user_vectors / item_vectors."""
+    ds = tf.data.Dataset.from_tensor_slices({"user": users, "item": items, "item_logq": data["item_logq"]})
+    ds = ds.shuffle(cfg["shuffle_buffer"], seed=cfg["seed"], reshuffle_each_iteration=True)
+    ds = ds.batch(cfg["batch_size"], drop_remainder=True)
+    ds = ds.map(lambda f: (f, tf.range(tf.shape(f["item"])[0])), num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
+    times = []
+    stamp = tf.keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: times.append(time.perf_counter()))
+    history = model.fit(ds, epochs=cfg["epochs"], verbose=0, callbacks=[stamp])
+    item_vecs = np.concatenate([model.item_vectors(tf.constant(eval_items[s:s + 8192])).numpy()
+                                for s in range(0, len(eval_items), 8192)])
+    user_vecs = np.concatenate([model.user_vectors(tf.constant(eval_users[s:s + 4096])).numpy()
+                                for s in range(0, len(eval_users), 4096)])
+    return {"examples_per_s": steady_rate(times, cfg["batch_size"]),
+            "recall": recall_at_k(user_vecs, item_vecs, data["test_target_pos"], cfg["k"]),
+            "loss": float(history.history["loss"][-1]), "steps": len(times)}

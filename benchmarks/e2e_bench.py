@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -87,25 +86,11 @@ def tfde_side(data_path: str, config_path: str) -> dict:
         eval_users, eval_items = data["test_user_idx"], np.arange(len(data["all_items"]))
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(cfg["learning_rate"])),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    ds = tf.data.Dataset.from_tensor_slices({"user": users, "item": items, "item_logq": data["item_logq"]})
-    ds = ds.shuffle(cfg["shuffle_buffer"], seed=cfg["seed"], reshuffle_each_iteration=True)
-    ds = ds.batch(cfg["batch_size"], drop_remainder=True)
-    ds = ds.map(lambda f: (f, tf.range(tf.shape(f["item"])[0])), num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
-    times = []
-    stamp = tf.keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: times.append(time.perf_counter()))
-    history = model.fit(ds, epochs=cfg["epochs"], verbose=0, callbacks=[stamp])
-    items, users = eval_items, eval_users
-    item_vecs = np.concatenate([model.item_vectors(tf.constant(items[s:s + 8192])).numpy()
-                                for s in range(0, len(items), 8192)])
-    user_vecs = np.concatenate([model.user_vectors(tf.constant(users[s:s + 4096])).numpy()
-                                for s in range(0, len(users), 4096)])
     legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
     out = {"system": "tfde", "tf": tf.__version__,
            "keras": ("tf-keras " + __import__("tf_keras").__version__) if legacy else
            ("Keras " + __import__("keras").__version__),
-           "examples_per_s": common.steady_rate(times, cfg["batch_size"]),
-           "recall": common.recall_at_k(user_vecs, item_vecs, data["test_target_pos"], cfg["k"]),
-           "loss": float(history.history["loss"][-1]), "steps": len(times)}
+           **common.fit_and_evaluate(tf, model, cfg, data, users, items, eval_users, eval_items)}
     if creator is not None:
         for layer in (model.user_embedding, model.item_embedding):
             layer.params.clear()

@@ -13,7 +13,6 @@ op onto TFRA's API (its fastest public path for each op).
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,15 +99,6 @@ class TwoTower(tf.keras.Model):
         return tf.matmul(u, i, transpose_b=True) / self.temperature - features["item_logq"][None, :]
 
 
-class BatchTimes(tf.keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.times = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter())
-
-
 def e2e(data_path, config_path):
     cfg = json.load(open(config_path))
     data = np.load(data_path, allow_pickle=False)
@@ -119,23 +109,9 @@ def e2e(data_path, config_path):
     model = TwoTower(cfg, creator)
     model.compile(optimizer=de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(cfg["learning_rate"])),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    ds = tf.data.Dataset.from_tensor_slices({"user": data["train_users"], "item": data["train_items"],
-                                             "item_logq": data["item_logq"]})
-    ds = ds.shuffle(cfg["shuffle_buffer"], seed=cfg["seed"], reshuffle_each_iteration=True)
-    ds = ds.batch(cfg["batch_size"], drop_remainder=True)
-    ds = ds.map(lambda f: (f, tf.range(tf.shape(f["item"])[0])), num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
-    times = BatchTimes()
-    history = model.fit(ds, epochs=cfg["epochs"], verbose=0, callbacks=[times])
-    items = data["all_items"]
-    item_vecs = np.concatenate([model.item_vectors(tf.constant(items[s:s + 8192])).numpy()
-                                for s in range(0, len(items), 8192)])
-    users = data["test_users"]
-    user_vecs = np.concatenate([model.user_vectors(tf.constant(users[s:s + 4096])).numpy()
-                                for s in range(0, len(users), 4096)])
     out = {"system": "tfra-0.8.1", "tf": tf.__version__, "keras": "tf-keras " + __import__("tf_keras").__version__,
-           "examples_per_s": common.steady_rate(times.times, cfg["batch_size"]),
-           "recall": common.recall_at_k(user_vecs, item_vecs, data["test_target_pos"], cfg["k"]),
-           "loss": float(history.history["loss"][-1]), "steps": len(times.times)}
+           **common.fit_and_evaluate(tf, model, cfg, data, data["train_users"], data["train_items"],
+                                     data["test_users"], data["all_items"])}
     if creator is not None:
         for layer in (model.user_embedding, model.item_embedding):
             layer.params.clear()

@@ -13,7 +13,6 @@ import glob
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -21,14 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from redis_servers import free_port
+
 JOB = Path(__file__).with_name("distributed_job.py")
 TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None):

@@ -5,7 +5,6 @@ suite in test_tables.py also runs against Redis.)"""
 import json
 import shutil
 import threading
-import socket
 import subprocess
 import time
 import uuid
@@ -23,12 +22,6 @@ from tfde.tables.redis_table import RedisTable
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "redis.json"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def tag():
     t = f"tfde-test-{uuid.uuid4().hex[:12]}"
@@ -42,7 +35,7 @@ def tag():
 @pytest.fixture
 def protected_server():
     """A redis-server of our own on a free loopback port, with a password."""
-    port = free_port()
+    port = redis_servers.free_port()
     proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
                              "--save", "", "--appendonly", "no", "--requirepass", "s3cret"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -127,7 +120,7 @@ def test_wrong_password_is_a_clear_error(protected_server):
 
 
 def test_unreachable_server_is_retried_then_named():
-    port = free_port()  # nothing listens there
+    port = redis_servers.free_port()  # nothing listens there
     creator = tfde.RedisTableCreator({"redis_host_port": port, "redis_connect_timeout": 100})
     start = time.perf_counter()
     with pytest.raises(tfde.BackendUnavailableError, match=f"127.0.0.1:{port} unreachable during open"):

@@ -79,11 +79,10 @@ class Exchange:
         gradients [k, d] summed over workers and over duplicate keys)."""
         raise NotImplementedError
 
-    def gradient_scale(self, already_scaled: bool) -> float:
-        """Factor for owner_gradients' sums: 1 where the engine sums
-        gradients (tf.distribute, whose loss is already divided by the global
-        batch); 1/size where it averages them (Horovod), unless the engine
-        already divided this worker's step-buffer gradient by size."""
+    def gradient_scale(self, optimizer) -> float:
+        """Factor for owner_gradients' sums when `optimizer` applies them: 1
+        where the engine sums gradients (tf.distribute, whose loss is already
+        divided by the global batch); 1/size where it averages them."""
         return 1.0
 
     def owned(self, keys):
@@ -143,8 +142,8 @@ class AllToAllExchange(Exchange):
         self._scale = gradient_scale
         self.all_gather = all_gather  # (tensor) -> concatenation over workers, for HostCollectives
 
-    def gradient_scale(self, already_scaled: bool) -> float:
-        return 1.0 if already_scaled else self._scale
+    def gradient_scale(self, optimizer) -> float:
+        return self._scale
 
     def _route(self, keys):
         """(order sorting keys by owner, splits [size])."""
@@ -210,6 +209,17 @@ def host_collectives(strategy=None) -> Optional[HostCollectives]:
     if tf.distribute.has_strategy() and tf.distribute.get_replica_context() is not None:
         raise ConfigError("restriction runs between training steps, not inside strategy.run; call it from the "
                           "training loop (tfde.AutoRestrictor) or a Keras callback (RestrictCallback)")
+    if strategy not in _strategy_hosts:  # built once per strategy: tracing and a rank collective
+        _strategy_hosts[strategy] = _strategy_host(strategy)
+    return _strategy_hosts[strategy]
+
+
+_strategy_hosts = {}
+
+
+def _strategy_host(strategy) -> HostCollectives:
+    """HostCollectives through strategy.run (the only way to reach the
+    strategy's collectives from outside its replica context)."""
 
     @tf.function(reduce_retracing=True)
     def gather(t):
@@ -297,6 +307,18 @@ def _refuse_bare_horovod():
             "building the model")
 
 
+def local_variable(initial, shape, trainable: bool, name: str):
+    """A plain ResourceVariable of this process, built directly so that a
+    tf.distribute strategy in scope does not mirror it (step buffers,
+    measurements).  distribute_strategy marks it as created in the strategy's
+    scope, which Keras checks."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    return resource_variable_ops.ResourceVariable(initial, shape=tf.TensorShape(shape), trainable=trainable,
+                                                  name=name, distribute_strategy=strategy)
+
+
 # ---------------------------------------------------------------- measuring
 
 class ExchangeStats:
@@ -310,11 +332,9 @@ class ExchangeStats:
 
     def _variables(self):
         if self._vars is None:
-            from tensorflow.python.ops import resource_variable_ops
-
-            with tf.init_scope():  # created on first use, outside any strategy's mirroring
-                self._vars = [resource_variable_ops.ResourceVariable(tf.zeros([], dt), trainable=False)
-                              for dt in (tf.int64, tf.float64, tf.int64)]
+            with tf.init_scope():  # created on first use, lifted out of any tf.function
+                self._vars = [local_variable(tf.zeros([], dt), [], False, f"tfde_exchange_{what}")
+                              for dt, what in ((tf.int64, "bytes"), (tf.float64, "seconds"), (tf.int64, "calls"))]
         return self._vars
 
     def record(self, nbytes, seconds):

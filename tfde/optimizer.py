@@ -23,8 +23,6 @@ are rejected.
 
 from __future__ import annotations
 
-from typing import List
-
 import tensorflow as tf
 
 from tfde import exchange as _exchange
@@ -169,9 +167,7 @@ class DynamicEmbeddingMixin:
             rows = var._step_size()
             dense = tf.math.unsorted_segment_sum(values, indices, rows)
             unique, summed = ex.owner_gradients(var._step_keys(tf.range(rows)), dense)
-            # Horovod's DistributedOptimizer divides local variables' gradients by size.
-            pre_scaled = hasattr(self, "register_local_var") and bool(getattr(self, "scale_local_gradients", False))
-            factor = ex.gradient_scale(pre_scaled)
+            factor = ex.gradient_scale(self)
             if factor != 1.0:
                 summed = summed * tf.cast(factor, compute)
         scale = hp(self, "loss_scale_factor", None)

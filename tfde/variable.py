@@ -96,13 +96,12 @@ class Variable(tf.Module):
             self._tables = [self.table_creator.create(self._table_name(i), self.key_dtype, self.value_dtype, dim)
                             for i in range(num_shards)]
             if self.trainable:
-                # Plain ResourceVariables, built directly so that a
-                # tf.distribute strategy in scope does not mirror them: the
-                # step buffer belongs to this process (see tfde/exchange.py).
-                self._rows_buffer = _local_variable(tf.zeros([0, dim], self.value_dtype), [None, dim], True,
-                                                    f"{self.name}/step_rows")
-                self._keys_buffer = _local_variable(tf.zeros([0], self.key_dtype), [None], False,
-                                                    f"{self.name}/step_keys")
+                # Not mirrored by a strategy in scope: the step buffer
+                # belongs to this process (see tfde/exchange.py).
+                self._rows_buffer = _exchange.local_variable(tf.zeros([0, dim], self.value_dtype), [None, dim],
+                                                             True, f"{self.name}/step_rows")
+                self._keys_buffer = _exchange.local_variable(tf.zeros([0], self.key_dtype), [None], False,
+                                                             f"{self.name}/step_keys")
                 self._rows_buffer._tfde_variable = self  # how the optimizer finds its way back
         self._slots = {}
         self.restrict_policy = None
@@ -200,11 +199,7 @@ class Variable(tf.Module):
         With return_exists=True also returns a bool tensor of keys.shape
         telling which keys are stored."""
         keys = tf.convert_to_tensor(keys, dtype_hint=self.key_dtype) if not tf.is_tensor(keys) else keys
-        if _exchange.active() is not None:
-            find = self._find_everywhere
-        else:
-            _exchange.warn_if_partial(self.name)
-            find = self._find
+        find = self._reader()
         if keys.shape.rank == 1:  # the common case needs no reshapes
             values, exists = find(self._keys(keys))
             return (values, exists) if return_exists else values
@@ -320,12 +315,17 @@ class Variable(tf.Module):
         found = tf.gather(found, tf.gather(mine, positions))
         return found[:, :self.dim], found[:, self.dim] > 0
 
+    def _reader(self):
+        """flat keys -> (rows, exists) for a plain (non-training) read: through
+        the active exchange, or this process's store."""
+        if _exchange.active() is not None:
+            return self._find_everywhere
+        _exchange.warn_if_partial(self.name)
+        return self._find
+
     def _read_unique(self, unique_keys):
         """Rows of deduplicated keys for a plain (non-training) read."""
-        if _exchange.active() is None:
-            _exchange.warn_if_partial(self.name)
-            return self._find(unique_keys)[0]
-        return self._find_everywhere(unique_keys)[0]
+        return self._reader()(unique_keys)[0]
 
     def _trainable_lookup(self, unique_keys, positions):
         """Appends rows of `unique_keys` to the step buffer and gathers the
@@ -354,16 +354,6 @@ class Variable(tf.Module):
     def _reset_step_buffer(self):
         return tf.group(self._rows_buffer.assign(tf.zeros([0, self.dim], self.value_dtype)),
                         self._keys_buffer.assign(tf.zeros([0], self.key_dtype)))
-
-
-def _local_variable(initial, shape, trainable, name):
-    from tensorflow.python.ops import resource_variable_ops
-
-    # distribute_strategy marks the variable as created in the strategy's
-    # scope (Keras checks that) without the strategy mirroring it.
-    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-    return resource_variable_ops.ResourceVariable(initial, shape=tf.TensorShape(shape), trainable=trainable,
-                                                  name=name, distribute_strategy=strategy)
 
 
 def _check_one_replica_per_process():

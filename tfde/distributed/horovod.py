@@ -47,6 +47,13 @@ class HorovodExchange(exchange.AllToAllExchange):
             max_over_workers=lambda x: hvd.allreduce(x, op=hvd.Max),
             gradient_scale=1.0 / hvd.size(), all_gather=hvd.allgather)
 
+    def gradient_scale(self, optimizer) -> float:
+        # Horovod's DistributedOptimizer divides the gradients of its local
+        # variables (tfde registers the step buffers as such) by size already.
+        if hasattr(optimizer, "register_local_var") and getattr(optimizer, "scale_local_gradients", False):
+            return 1.0
+        return super().gradient_scale(optimizer)
+
 
 def init(*args, **kwargs):
     """hvd.init(*args, **kwargs), then installs the exchange; returns the
