@@ -93,12 +93,11 @@ def check_equal(one, two):
         np.testing.assert_allclose(d2[name], d1[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-
-
-def check_sharded(tmp_path, workers):
+def check_sharded(tmp_path, workers, prefix=None):
     """Sharded layout: every worker stores some keys of each table (load()
     already checked that no key is stored twice)."""
-    parts = [dict(np.load(f)) for f in sorted(glob.glob(str(tmp_path / f"out{workers}-w*.npz")))]
+    prefix = prefix or f"out{workers}"
+    parts = [dict(np.load(f)) for f in sorted(glob.glob(str(tmp_path / f"{prefix}-w*.npz")))]
     assert len(parts) == workers
     for name in ("user_emb", "item_emb"):
         assert all(len(p[f"{name}/keys"]) > 0 for p in parts), name

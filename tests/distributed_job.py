@@ -4,7 +4,9 @@
 
 CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "sgd" | "adam",
          "layout": "cuckoo" | "redis", "redis": {...config...} or null, "steps": T,
-         "global_batch": G, "out": "prefix"}
+         "global_batch": G, "out": "prefix",
+         optional: "restore_dir" (restore its latest checkpoint before training),
+         "save_dir" (save a checkpoint there after training), "restrict", "admission", ...}
 
 The data are fixed: T global batches of G examples (string user id, int64
 item id, label), the same for every run; the custom loop adds a short last
@@ -137,6 +139,21 @@ with strategy.scope():
     model = build()
     opt = optimizer()
 
+
+def checkpoints(directory):
+    """tfde.saving.CheckpointManager of the job: every worker writes its own files."""
+    return tfde.saving.CheckpointManager(directory, model=model, optimizer=opt,
+                                         strategy=strategy if N > 1 and cfg["engine"] != "hvd" else None)
+
+
+def restore_if_asked():
+    if cfg.get("restore_dir"):
+        assert checkpoints(cfg["restore_dir"]).restore(), "no checkpoint to restore"
+
+
+if cfg["engine"] != "loop":  # tf-keras restores into what model.fit builds later
+    restore_if_asked()
+
 if cfg["engine"] == "hvd":
     # Each worker's loss is the mean over its examples; Horovod averages
     # gradients, so equal shares make the global mean.
@@ -166,6 +183,7 @@ else:
     with strategy.scope():
         model({"user": users[:1], "item": items[:1]})
         opt.build(model.trainable_variables)
+    restore_if_asked()  # Keras 3 restores only into a built model
 
     @tf.function
     def step(batch):
@@ -203,6 +221,8 @@ def dump(var):
     return np.concatenate(keys), np.concatenate(rows)
 
 
+if cfg.get("save_dir"):
+    checkpoints(cfg["save_dir"]).save()
 # Every worker's last writes are done before worker 0 reads the shared tables.
 tfde.exchange.barrier(strategy if N > 1 and cfg["engine"] != "hvd" else None)
 if cfg["layout"] == "cuckoo" or index == 0:

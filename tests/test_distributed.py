@@ -108,3 +108,31 @@ def test_mirrored_strategy_on_one_cpu_trains_like_no_strategy():
     expected_rows, expected_size = train(tf.distribute.get_strategy())
     assert size == expected_size == len(np.unique(x))
     np.testing.assert_allclose(rows, expected_rows, rtol=1e-6, atol=1e-7)
+
+
+RESHARD_CASES = [("fit", "adam", "cuckoo")] if LEGACY else [("loop", "adam", "cuckoo"), ("loop", "sgd", "redis")]
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize("engine,optimizer,layout", RESHARD_CASES)
+def test_a_checkpoint_of_n_workers_restores_into_m(tmp_path, tag, engine, optimizer, layout):
+    """tfde.saving.CheckpointManager: 1 and 2 workers train and save (each
+    worker writes its own files); then 1 -> 1 (the reference), 2 -> 1 and
+    1 -> 2 workers restore and train on: the same rows, slots and dense
+    weights, so every key reached its new owner with its optimizer state."""
+    def job(workers, name, **extra):
+        # Redis: table_store_mode 0, rows in the checkpoints (mode 2 keeps
+        # Redis as the source of truth, with nothing to restore).
+        redis_config = {"model_tag_runtime": f"{tag}-{workers}", "table_store_mode": 0}
+        return run_job(tmp_path, workers, engine, optimizer, layout, tag,
+                       extra={"out": str(tmp_path / name), "redis": redis_config, **extra})
+
+    job(1, "first1", save_dir=str(tmp_path / "ck1"))
+    job(2, "first2", save_dir=str(tmp_path / "ck2"))
+    saved = sorted((tmp_path / "ck2").glob("ckpt-*/*.index"))
+    assert [p.name for p in saved] == ["worker-00000-of-00002.index", "worker-00001-of-00002.index"], saved
+    reference = job(1, "ref", restore_dir=str(tmp_path / "ck1"))
+    check_equal(reference, job(1, "two_to_one", restore_dir=str(tmp_path / "ck2")))
+    check_equal(reference, job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")))
+    if layout == "cuckoo":
+        check_sharded(tmp_path, 2, prefix="one_to_two")

@@ -13,9 +13,10 @@ if (_major, _minor) < (2, 16):
                       "upgrade with `pip install -U 'tensorflow-cpu>=2.16'` (or tensorflow)")
 
 from tfde import errors, exchange, hashing, initializers, tables  # noqa: E402
+from tfde import saving  # noqa: E402  (registers the checkpoint saver)
 from tfde.admission import AdmissionFilter, CounterFilter, ProbabilityFilter  # noqa: E402
-from tfde.errors import (BackendUnavailableError, CapacityError, ConfigError, ShapeError, TfdeError,  # noqa: E402
-                         UnsupportedOptimizerError)
+from tfde.errors import (BackendUnavailableError, CapacityError, CheckpointError, ConfigError,  # noqa: E402
+                         ShapeError, TfdeError, UnsupportedOptimizerError)
 from tfde.lookup import embedding_lookup, embedding_lookup_ragged, embedding_lookup_sparse  # noqa: E402
 from tfde.optimizer import DynamicEmbeddingOptimizer  # noqa: E402
 from tfde.policy import (AutoRestrictor, FrequencyRestrictPolicy, RestrictPolicy,  # noqa: E402
@@ -23,23 +24,21 @@ from tfde.policy import (AutoRestrictor, FrequencyRestrictPolicy, RestrictPolicy
 from tfde.tables import (CuckooTableCreator, RedisTableConfig, RedisTableCreator, Table,  # noqa: E402
                          TableCreator)
 from tfde.variable import Variable, get_variable  # noqa: E402
+from tfde.saving import CheckpointManager, export_changes, export_for_serving  # noqa: E402
 
 __version__ = "0.1.0"
 
 
-def __getattr__(name):
-    # tfde.keras subclasses tf.keras classes: import it lazily so that
-    # TF_USE_LEGACY_KERAS set after `import tfde` still takes effect.
-    if name == "keras":
-        import importlib
-
-        return importlib.import_module("tfde.keras")
-    raise AttributeError(f"module 'tfde' has no attribute {name!r}")
-
+# Last: tfde.keras subclasses tf.keras classes and registers them (and the
+# wrapped optimizers) with Keras, so keras.models.load_model finds them after
+# a plain `import tfde`.  tf.keras is decided here: set TF_USE_LEGACY_KERAS=1
+# before importing tfde to use tf-keras.
+from tfde import keras  # noqa: E402
 
 __all__ = [
     "Variable", "get_variable", "embedding_lookup", "embedding_lookup_sparse", "embedding_lookup_ragged",
     "DynamicEmbeddingOptimizer", "CuckooTableCreator", "RedisTableConfig", "RedisTableCreator", "Table", "TableCreator", "RestrictPolicy", "FrequencyRestrictPolicy", "TimestampRestrictPolicy", "TTLPolicy", "AutoRestrictor", "AdmissionFilter", "CounterFilter", "ProbabilityFilter",
-    "TfdeError", "ConfigError", "ShapeError", "CapacityError", "BackendUnavailableError",
-    "UnsupportedOptimizerError", "errors", "hashing", "initializers", "tables",
+    "CheckpointManager", "export_for_serving", "export_changes",
+    "TfdeError", "CheckpointError", "ConfigError", "ShapeError", "CapacityError", "BackendUnavailableError",
+    "UnsupportedOptimizerError", "errors", "hashing", "initializers", "tables", "keras",
 ]

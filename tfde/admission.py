@@ -45,6 +45,10 @@ class AdmissionFilter(abc.ABC):
                 f"keeps per-key state for one Variable: create one per Variable or layer (for {variable.name!r} too)")
         self.variable = variable
 
+    def get_config(self) -> dict:
+        """Constructor arguments (layer configs carry them)."""
+        return {"default": self.default}
+
     @abc.abstractmethod
     def admit(self, keys: tf.Tensor, stored: tf.Tensor) -> tf.Tensor:
         """bool mask over the step's unique `keys`: which may be written.
@@ -69,6 +73,9 @@ class CounterFilter(AdmissionFilter):
                                    num_shards=variable.num_shards, table_creator=variable.table_creator,
                                    trainable=False)
 
+    def get_config(self):
+        return {"min_count": self.min_count, **super().get_config()}
+
     def admit(self, keys, stored):
         candidates = tf.boolean_mask(keys, ~stored)
         # A local read: the candidates are this worker's own keys (in
@@ -90,6 +97,9 @@ class ProbabilityFilter(AdmissionFilter):
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
             raise ConfigError(f"p must be a probability in [0, 1], got {p!r}")
         self.p, self.seed = float(p), int(seed)
+
+    def get_config(self):
+        return {"p": self.p, "seed": self.seed, **super().get_config()}
 
     def admit(self, keys, stored):
         # Mix the seed into the stable hash, then compare the top 53 bits

@@ -40,8 +40,10 @@ def _without(argv, flag):
 
 
 def _train(args) -> int:
-    if args.keras == "tf-keras":
+    if args.keras == "tf-keras" and os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+        # `import tfde` has chosen tf.keras already: start again with tf-keras.
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "tfde", *args.argv])
     if args.workers > 1 and not args.as_worker:
         return _launch(args, args.argv)
     from tfde.demo import data as demo_data

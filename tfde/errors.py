@@ -30,3 +30,8 @@ class BuildError(TfdeError):
 
 class UnsupportedOptimizerError(TfdeError, TypeError):
     """DynamicEmbeddingOptimizer was given an optimizer it cannot apply lazily."""
+
+
+class CheckpointError(TfdeError):
+    """A checkpoint or export file is missing, truncated, corrupted, or was
+    written for another model; the message names the file."""

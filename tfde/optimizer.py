@@ -217,11 +217,8 @@ class DynamicEmbeddingMixin:
         ops = [var.upsert(keys, tf.cast(new_rows, var.value_dtype))]
         for name, value in new_slots.items():
             ops.append(slot_vars[name].upsert(keys, tf.cast(value, var.value_dtype)))
-        if var.restrict_policy is not None:
-            with tf.control_dependencies(ops):
-                hook = var.restrict_policy.on_apply(keys, self.iterations)
-                if hook is not None:
-                    ops.append(hook)
+        with tf.control_dependencies(ops):
+            ops.extend(var._after_update(keys, self.iterations))
         return tf.group(ops)
 
     def _tfde_use_weight_decay(self, var) -> bool:
@@ -242,11 +239,39 @@ _classes = {}
 
 def _wrapped_class(base):
     if base not in _classes:
-        _classes[base] = type(base.__name__, (DynamicEmbeddingMixin, base), {
+        cls = type(base.__name__, (DynamicEmbeddingMixin, base), {
             "__module__": base.__module__,
             "__doc__": f"{base.__name__} that also trains tfde Variables (see tfde.DynamicEmbeddingOptimizer).",
         })
+        _classes[base] = _register_serializable(cls, base)
     return _classes[base]
+
+
+def _register_serializable(cls, base):
+    """Registers the wrapped class with the Keras `base` comes from, as
+    "tfde>DynamicEmbedding<Name>": a saved model's compile config then names
+    it, and keras.models.load_model rebuilds a tfde optimizer, not a plain
+    one (tfde.keras registers every supported class when imported)."""
+    name = f"DynamicEmbedding{base.__name__}"
+    try:
+        if base.__module__.startswith("tf_keras"):
+            import tf_keras as keras_module
+        elif base.__module__.startswith("keras"):
+            import keras as keras_module
+        else:
+            return cls  # a user subclass outside Keras: serialized as its base
+        return keras_module.saving.register_keras_serializable(package="tfde", name=name)(cls)
+    except (ImportError, AttributeError):  # pragma: no cover - Keras without a saving API
+        return cls
+
+
+def register_keras_optimizers(optimizers_module) -> None:
+    """Wraps (and so registers) every supported optimizer class of a Keras
+    optimizers module, so that loading a saved model finds them."""
+    for name in RULES:
+        base = getattr(optimizers_module, name, None)
+        if isinstance(base, type):
+            _wrapped_class(base)
 
 
 def DynamicEmbeddingOptimizer(optimizer):

@@ -71,6 +71,13 @@ class RestrictPolicy(abc.ABC):
         """Removes keys the policy does not keep; returns how many."""
         raise NotImplementedError(f"{type(self).__name__} does not restrict")
 
+    def get_config(self) -> dict:
+        """Constructor arguments (layer configs carry them)."""
+        return {}
+
+    def after_restore(self) -> None:
+        """Called when the Variable's state was restored from a checkpoint."""
+
 
 class _WorkerView:
     """What one worker of a distributed job decides for (see the module
@@ -189,6 +196,9 @@ class TimestampRestrictPolicy(_ScoredPolicy):
             raise ConfigError(f"clock must be 'step' or 'wall', got {clock!r}")
         self.clock = clock
 
+    def get_config(self):
+        return {"clock": self.clock}
+
     def _now(self, step):
         return tf.timestamp() if self.clock == "wall" else tf.cast(step, tf.float64)
 
@@ -216,6 +226,17 @@ class TTLPolicy(TimestampRestrictPolicy):
         with tf.init_scope():
             self._latest_step = tf.Variable(tf.constant(-1.0, tf.float64), trainable=False,
                                             name=f"{variable.name.replace('/', '_')}_ttl_latest_step")
+
+    def get_config(self):
+        return {"ttl_steps": int(self.ttl)} if self.clock == "step" else {"ttl_s": self.ttl}
+
+    def after_restore(self) -> None:
+        # The latest step this worker saw is the newest timestamp it holds.
+        latest = -1.0
+        for _, scores in self.scores.export(CHUNK_ROWS):
+            latest = max(latest, float(tf.reduce_max(scores)))
+        if self.clock == "step":
+            self._latest_step.assign(latest)
 
     def on_apply(self, keys, step):
         write = super().on_apply(keys, step)

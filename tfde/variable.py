@@ -58,6 +58,9 @@ class Variable(tf.Module):
       admission_filter: a tfde.CounterFilter or tfde.ProbabilityFilter
         deciding which new keys get stored rows; see tfde.admission.
       trainable: whether lookups in training mode feed the optimizer.
+      track_changes: record which keys training writes and which are
+        removed, for incremental exports (tfde.changes,
+        tfde.saving.export_changes).
 
     Example:
       >>> v = tfde.Variable("ids", dim=4, initializer=0.0)
@@ -74,7 +77,7 @@ class Variable(tf.Module):
     def __init__(self, name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1,
                  initializer=None, seed: Optional[int] = None, num_shards: int = 1,
                  table_creator: Optional[TableCreator] = None, restrict_policy=None,
-                 admission_filter=None, trainable: bool = True):
+                 admission_filter=None, trainable: bool = True, track_changes: bool = False):
         if not isinstance(name, str) or not name:
             raise ConfigError(f"a Variable needs a non-empty string name, got {name!r}")
         super().__init__(name=_module_name(name))
@@ -111,6 +114,20 @@ class Variable(tf.Module):
         self.admission_filter = admission_filter
         if admission_filter is not None:
             admission_filter.bind(self)
+        self.changes = None
+        if track_changes:
+            from tfde.changes import ChangeLog
+
+            self.changes = ChangeLog(self)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # Checkpoints: a Variable is saved whole (rows, slots, policy and
+        # admission state, streamed in chunks) by tfde's registered saver
+        # (tfde/saving/registered.py), so its tables, slot Variables and step
+        # buffers are not separate checkpoint entries.
+        if save_type == "checkpoint":
+            return {}
+        return super()._trackable_children(save_type, **kwargs)
 
     # ------------------------------------------------------------ identity
 
@@ -237,7 +254,9 @@ class Variable(tf.Module):
         """Removes `keys` (and, when present, their optimizer slots); returns
         how many rows were removed (int64 scalar)."""
         flat = self._keys(tf.reshape(tf.convert_to_tensor(keys, dtype_hint=self.key_dtype), [-1]))
-        removed = tf.add_n(self._for_each_shard(flat, None, lambda t, k, r: t.remove(k)))
+        deps = [] if self.changes is None else [self.changes.on_remove(flat)]
+        with tf.control_dependencies(deps):
+            removed = tf.add_n(self._for_each_shard(flat, None, lambda t, k, r: t.remove(k)))
         for slot in self._slots.values():
             slot.remove(flat)
         return removed
@@ -286,6 +305,18 @@ class Variable(tf.Module):
                     initializer=float(initial_value), num_shards=self.num_shards,
                     table_creator=self.table_creator, trainable=False)
         return self._slots[slot_name]
+
+    def _after_update(self, keys, step) -> list:
+        """Ops that record a training step's writes of `keys` (the optimizer
+        calls it after writing rows and slots; `step`: its iterations before
+        the step): the restrict policy's state and the change log."""
+        ops = []
+        for hook in (self.restrict_policy, self.changes):
+            if hook is not None:
+                op = hook.on_apply(keys, step)
+                if op is not None:
+                    ops.append(op)
+        return ops
 
     def restrict(self, num_reserved: Optional[int] = None, trigger: Optional[int] = None) -> int:
         """Applies the restrict policy: see tfde.policy.  Returns the number

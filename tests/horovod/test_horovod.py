@@ -71,3 +71,19 @@ def test_restriction_and_admission_decide_as_one_worker(tmp_path, tag, layout, a
     check_equal(one, two)
     for name in ("user_emb", "item_emb"):
         assert 10 <= len(one[0][name]) < 40, (name, len(one[0][name]))
+
+
+def test_horovod_checkpoint_restores_into_another_worker_count(tmp_path, tag):
+    """Each Horovod worker writes its own shard files (tfde.saving.CheckpointManager);
+    2 -> 1 and 1 -> 2 workers restore and train on like 1 -> 1."""
+    def job(workers, name, **extra):
+        return run_job(tmp_path, workers, "hvd", "adam", "cuckoo", tag,
+                       extra={"out": str(tmp_path / name), **extra})
+
+    job(1, "first1", save_dir=str(tmp_path / "ck1"))
+    job(2, "first2", save_dir=str(tmp_path / "ck2"))
+    assert len(list((tmp_path / "ck2").glob("ckpt-*/worker-*-of-00002.index"))) == 2
+    reference = job(1, "ref", restore_dir=str(tmp_path / "ck1"))
+    check_equal(reference, job(1, "two_to_one", restore_dir=str(tmp_path / "ck2")))
+    check_equal(reference, job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")))
+    check_sharded(tmp_path, 2, prefix="one_to_two")

@@ -1,4 +1,5 @@
-"""Keras callbacks of tfde."""
+"""Keras callbacks of tfde: RestrictCallback (restrict policies during
+model.fit) and ModelCheckpoint (atomic, per-worker checkpoints)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,57 @@ class RestrictCallback(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.restrictor.after_step(int(self.model.optimizer.iterations.numpy()))
+
+
+class ModelCheckpoint(tf.keras.callbacks.Callback):
+    """Saves the model, its optimizer and every tfde Variable during
+    model.fit with tfde.saving.CheckpointManager: each worker of a
+    distributed job writes its own files; saves are atomic; the last
+    `max_to_keep` are kept.  With restore=True, training starts from the
+    latest checkpoint in `directory` when there is one (and from scratch
+    otherwise), so a restarted job resumes where it stopped.
+
+    Args:
+      directory: where checkpoints go (see tfde.saving.CheckpointManager).
+      save_freq: "epoch" (after every epoch) or an int: every that many
+        training steps.
+      max_to_keep: checkpoints kept (None: all).
+      restore: restore the latest checkpoint when training begins.
+
+    Example:
+      >>> model.fit(data, epochs=3, callbacks=[tfde.keras.callbacks.ModelCheckpoint("ckpts", save_freq=1000)])
+    """
+
+    def __init__(self, directory: str, save_freq="epoch", max_to_keep: Optional[int] = 5, restore: bool = False):
+        super().__init__()
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
+                                     or save_freq < 1):
+            raise ConfigError(f"save_freq must be 'epoch' or an int >= 1 (steps), got {save_freq!r}")
+        self.directory, self.save_freq, self.max_to_keep, self.restore = directory, save_freq, max_to_keep, restore
+        self.manager = None
+        self.restored_from = None
+
+    def _manager(self):
+        if self.manager is None:
+            from tfde.saving import CheckpointManager
+
+            strategy = getattr(self.model, "distribute_strategy", None)
+            if strategy is not None and strategy.num_replicas_in_sync <= 1:
+                strategy = None
+            self.manager = CheckpointManager(self.directory, max_to_keep=self.max_to_keep, strategy=strategy,
+                                             model=self.model, optimizer=self.model.optimizer)
+        return self.manager
+
+    def on_train_begin(self, logs=None):
+        if self.restore:
+            self.restored_from = self._manager().restore()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq != "epoch":
+            step = int(self.model.optimizer.iterations.numpy())
+            if step % self.save_freq == 0:
+                self._manager().save(step)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._manager().save()

@@ -7,6 +7,7 @@ Layer, so import tfde after setting that variable.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import tensorflow as tf
@@ -76,7 +77,39 @@ def _creator_from_config(cfg):
     kind = cfg.get("class_name", "CuckooTableCreator")
     if kind == "CuckooTableCreator":
         return CuckooTableCreator(**cfg.get("config", {}))
-    raise ConfigError(f"unknown table creator {kind!r} in layer config")
+    if kind == "RedisTableCreator":
+        from tfde.tables.redis_table import RedisTableCreator
+
+        # Configs are saved without passwords; a loading process gives them
+        # in the environment.
+        config = dict(cfg.get("config", {}))
+        for field, env in (("redis_password", "TFDE_REDIS_PASSWORD"),
+                           ("redis_sentinel_password", "TFDE_REDIS_SENTINEL_PASSWORD")):
+            if os.environ.get(env):
+                config[field] = os.environ[env]
+        return RedisTableCreator(config)
+    raise ConfigError(f"unknown table creator {kind!r} in a layer config; expected CuckooTableCreator or "
+                      "RedisTableCreator")
+
+
+def _component_config(component):
+    """{"class_name", "config"} of a restrict policy or admission filter."""
+    if component is None:
+        return None
+    return {"class_name": type(component).__name__, "config": component.get_config()}
+
+
+def _component_from_config(cfg):
+    if cfg is None:
+        return None
+    import tfde
+
+    cls = getattr(tfde, cfg.get("class_name", ""), None)
+    if not isinstance(cls, type) or not issubclass(cls, (tfde.RestrictPolicy, tfde.AdmissionFilter)):
+        raise ConfigError(f"unknown restrict policy or admission filter {cfg.get('class_name')!r} in a layer "
+                          "config; expected a tfde policy (FrequencyRestrictPolicy, ...) or filter (CounterFilter, "
+                          "ProbabilityFilter)")
+    return cls(**cfg.get("config", {}))
 
 
 @_keras.utils.register_keras_serializable(package="tfde")
@@ -90,8 +123,8 @@ class Embedding(_keras.layers.Layer):
       initializer: initial rows of unseen keys (tfde.initializers).
       combiner: None, or 'sum' / 'mean' / 'sqrtn' to reduce the last axis of
         the ids: ``[batch, n]`` ids give ``[batch, dim]``.
-      num_shards, table_creator, restrict_policy, admission_filter, seed: as
-        tfde.Variable.
+      num_shards, table_creator, restrict_policy, admission_filter, seed,
+        track_changes: as tfde.Variable.
       Inputs may also be a tf.SparseTensor or tf.RaggedTensor of ids
         (combined per row with `combiner`, 'mean' if None).
 
@@ -107,7 +140,7 @@ class Embedding(_keras.layers.Layer):
     def __init__(self, embedding_size: int, key_dtype=tf.int64, value_dtype=tf.float32, initializer=None,
                  combiner: Optional[str] = None, num_shards: int = 1, table_creator: Optional[TableCreator] = None,
                  restrict_policy=None, admission_filter=None, seed: Optional[int] = None, name: Optional[str] = None,
-                 **kwargs):
+                 track_changes: bool = False, **kwargs):
         kwargs.pop("dtype", None)
         # Keras 3's Sequential gives its implicit InputLayer the first layer's
         # compute dtype, and a policy whose compute and variable dtypes agree
@@ -129,7 +162,8 @@ class Embedding(_keras.layers.Layer):
         self.params = Variable(self.name, key_dtype=self.key_dtype, value_dtype=self.value_dtype,
                                dim=embedding_size, initializer=initializer, seed=seed, num_shards=num_shards,
                                table_creator=table_creator, restrict_policy=restrict_policy,
-                               admission_filter=admission_filter, trainable=self.trainable)
+                               admission_filter=admission_filter, trainable=self.trainable,
+                               track_changes=track_changes)
         if self.params.trainable:
             self._track_step_buffer(self.params.step_buffer)
 
@@ -190,6 +224,24 @@ class Embedding(_keras.layers.Layer):
             shape = shape[:-1]
         return tuple(shape.concatenate([self.embedding_size]).as_list())
 
+    # ------------------------------------------------------------ saving
+    # model.save (.keras) and save_weights (.weights.h5), Keras 3 and
+    # tf-keras: the layer's state is its Variable's (rows, optimizer slots,
+    # policy and admission state; tfde/keras/store.py), not its step buffer,
+    # which is empty between steps.
+
+    def save_own_variables(self, store):
+        from tfde.keras.store import StoreWriter
+        from tfde.saving import state
+
+        state.save_variable(self.params, StoreWriter(store))
+
+    def load_own_variables(self, store):
+        from tfde.keras.store import StoreReader
+        from tfde.saving import state
+
+        state.restore_variable(self.params, [StoreReader(store, f"the weights of layer {self.name!r}")])
+
     def get_config(self):
         config = super().get_config()
         config.pop("dtype", None)
@@ -204,6 +256,9 @@ class Embedding(_keras.layers.Layer):
             "table_creator": (None if self._creator_arg is None else
                               {"class_name": type(self._creator_arg).__name__,
                                "config": self._creator_arg.get_config()}),
+            "restrict_policy": _component_config(self.params.restrict_policy),
+            "admission_filter": _component_config(self.params.admission_filter),
+            "track_changes": self.params.changes is not None,
         })
         return config
 
@@ -212,6 +267,8 @@ class Embedding(_keras.layers.Layer):
         config = dict(config)
         config["initializer"] = _deserialize_initializer(config.get("initializer"))
         config["table_creator"] = _creator_from_config(config.get("table_creator"))
+        for name in ("restrict_policy", "admission_filter"):
+            config[name] = _component_from_config(config.get(name))
         return cls(**config)
 
 

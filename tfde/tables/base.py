@@ -42,6 +42,9 @@ class Table:
     # True when every worker of a distributed job sees the same store (Redis),
     # False when each worker's table is its own (cuckoo: sharded layout).
     shared_between_workers = False
+    # Whether checkpoints hold the rows (False: the store is the source of
+    # truth and a restore leaves it as it is).
+    in_checkpoints = True
 
     def find(self, keys, missing: Missing) -> Tuple[tf.Tensor, tf.Tensor]:
         """Rows of `keys` ([n, dim]) and whether each key is stored ([n] bool).

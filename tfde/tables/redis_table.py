@@ -554,32 +554,11 @@ class RedisTable(Table, trackable_base.Trackable):
         keys.set_shape([None])
         return keys, self._bytes_to_rows(raw), nxt
 
-    # -------------------------------------------------------- checkpoints
-
-    def _np_export_all(self):
-        keys, rows = [], []
-        for field, value in self._scan_rows():
-            keys.append(field)
-            rows.append(np.frombuffer(value, np.uint8))
-        k = self._keys_from_fields(keys) if keys else np.zeros(
-            0, object if self._key_width is None else self.key_dtype.as_numpy_dtype)
-        r = np.stack(rows) if rows else np.zeros((0, self._row_bytes), np.uint8)
-        return k, r.view(self.value_dtype.as_numpy_dtype).reshape(len(keys), self.dim)
-
-    def _serialize_to_tensors(self):
-        if self.config.table_store_mode == 2:
-            return {}
-        keys, rows = tf.numpy_function(self._np_export_all, [], [self.key_dtype, self.value_dtype],
-                                       stateful=True, name="tfde_redis_export_all")
-        return {"keys": keys, "values": rows}
-
-    def _restore_from_tensors(self, restored_tensors):
-        if self.config.table_store_mode == 2 or not restored_tensors:
-            return tf.no_op()
-        keys, rows = restored_tensors["keys"], tf.reshape(restored_tensors["values"], [-1, self.dim])
-        cleared = self.clear()
-        with tf.control_dependencies([cleared]):
-            return self.insert(keys, rows)
+    @property
+    def in_checkpoints(self) -> bool:
+        """Whether checkpoints hold this table's rows: table_store_mode 0
+        (yes) or 2 (no: Redis is the source of truth)."""
+        return self.config.table_store_mode != 2
 
     def __repr__(self):
         return (f"RedisTable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}], "

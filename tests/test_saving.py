@@ -1,0 +1,253 @@
+"""Save and restore: every way a user saves (tf.train.Checkpoint and its
+manager, model.save / load_model, save_weights / load_weights, Keras's and
+tfde's ModelCheckpoint callbacks, tfde.saving.CheckpointManager) round-trips
+rows, every optimizer slot, policy state, admission state and the optimizer's
+step, on the cuckoo and Redis backends, under Keras 3 and tf-keras (this file
+runs under both).  Training after a restore continues exactly as without the
+save/restore.  Bad files give a CheckpointError naming the file."""
+
+import glob
+import os
+import uuid
+
+import numpy as np
+import pytest
+import redis
+import tensorflow as tf
+
+import tfde
+from saving_model import K, assert_same, build, creator_for, layer, snapshot, train
+
+pytestmark = pytest.mark.keras
+
+
+@pytest.fixture
+def tag():
+    t = f"tfde-save-{uuid.uuid4().hex[:12]}"
+    yield t
+    client = redis.Redis()
+    stale = list(client.scan_iter(match=f"{t}:*"))
+    if stale:
+        client.delete(*stale)
+
+
+def save(model, kind, path):
+    if kind == "keras_file":
+        model.save(str(path / "model.keras"))
+    elif kind == "weights_file":
+        model.save_weights(str(path / "model.weights.h5"))
+    elif kind == "tf_checkpoint":
+        tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=model.optimizer),
+                                   str(path / "tf"), max_to_keep=2).save()
+    elif kind == "tfde_manager":
+        tfde.saving.CheckpointManager(str(path / "tfde"), model=model, optimizer=model.optimizer).save()
+
+
+def restore(kind, path, backend, tag):
+    if kind == "keras_file":
+        return K.models.load_model(str(path / "model.keras"))
+    model = build(backend, tag)
+    if kind == "weights_file":
+        # Keras restores optimizer variables only into a built optimizer.
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(str(path / "model.weights.h5"))
+    elif kind == "tf_checkpoint":
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(
+            tf.train.latest_checkpoint(str(path / "tf"))).expect_partial()
+    elif kind == "tfde_manager":
+        assert tfde.saving.CheckpointManager(str(path / "tfde"), model=model, optimizer=model.optimizer).restore()
+    return model
+
+
+@pytest.mark.parametrize("backend", ["cuckoo", "redis"])
+@pytest.mark.parametrize("kind", ["keras_file", "weights_file", "tf_checkpoint", "tfde_manager"])
+def test_round_trip_continues_training_exactly(tmp_path, tag, backend, kind):
+    model = build(backend, tag)
+    train(model, 0, epochs=2)
+    save(model, kind, tmp_path)
+    saved = snapshot(model)
+    train(model, 1)
+    expected = snapshot(model)
+
+    restored = restore(kind, tmp_path, backend, tag)  # with Redis: the same tables, refilled by the restore
+    if kind == "weights_file":  # Keras's load_weights does not restore the step of an optimizer built empty
+        restored.optimizer.iterations.assign(saved["iterations"])
+    got = snapshot(restored)
+    assert_same(got, saved)
+    assert {"m", "v", "policy-frequency", "changes-step"} <= set(layer(restored, "item_emb").params.slots)
+    train(restored, 1)
+    assert_same(snapshot(restored), expected)
+
+
+@pytest.mark.parametrize("callback", ["keras", "tfde"])
+def test_checkpoint_callbacks(tmp_path, tag, callback):
+    model = build("cuckoo", tag)
+    if callback == "keras":
+        cb = K.callbacks.ModelCheckpoint(str(tmp_path / "model.keras"), save_freq="epoch")
+    else:
+        cb = tfde.keras.callbacks.ModelCheckpoint(str(tmp_path / "ck"), save_freq=4, max_to_keep=2)
+    train(model, 0, epochs=2, callbacks=[cb])  # 12 steps
+    saved = snapshot(model)
+    train(model, 1)
+    expected = snapshot(model)
+    if callback == "keras":
+        restored = K.models.load_model(str(tmp_path / "model.keras"))
+    else:
+        assert [os.path.basename(p) for p in cb.manager.checkpoints] == ["ckpt-000000008", "ckpt-000000012"]
+        restored = build("cuckoo", tag)
+        resume = tfde.keras.callbacks.ModelCheckpoint(str(tmp_path / "ck"), save_freq=1000, restore=True)
+        train(restored, 1, callbacks=[resume])  # restores on train begin, then trains
+        assert resume.restored_from.endswith("ckpt-000000012")
+        assert_same(snapshot(restored), expected)
+        return
+    assert_same(snapshot(restored), saved)
+    train(restored, 1)
+    assert_same(snapshot(restored), expected)
+
+
+def test_redis_store_mode_2_checkpoints_hold_no_rows(tmp_path, tag):
+    var = tfde.Variable("m2", dim=2, initializer=0.0, table_creator=creator_for("redis", tag, mode=2))
+    var.upsert(tf.constant([1, 2], tf.int64), tf.ones([2, 2]))
+    path = tf.train.Checkpoint(var=var).save(str(tmp_path / "ck"))
+    names = [n for n, _ in tf.train.list_variables(path)]
+    assert not any("/rows/" in n for n in names), names
+    var.upsert(tf.constant([3], tf.int64), tf.ones([1, 2]))
+    tf.train.Checkpoint(var=var).restore(path)
+    assert int(var.size()) == 3  # Redis is the source of truth: the restore leaves it alone
+
+
+def test_restore_into_another_dim_is_refused(tmp_path):
+    var = tfde.Variable("dims", dim=2, initializer=0.0)
+    var.upsert(tf.constant([1], tf.int64), tf.ones([1, 2]))
+    path = tf.train.Checkpoint(var=var).save(str(tmp_path / "ck"))
+    other = tfde.Variable("dims", dim=3)
+    with pytest.raises(tfde.CheckpointError, match="dim 2 .*dim 3"):
+        tf.train.Checkpoint(var=other).restore(path)
+
+
+def test_large_tables_are_written_in_chunks(tmp_path, monkeypatch):
+    """A table larger than one chunk is written as several bundle tensors
+    (saving needs memory for a chunk, not the table) and reads back whole."""
+    from tfde.saving import format as fmt
+
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 4096)  # 4 KiB chunks: 31 rows of dim 32
+    var = tfde.Variable("chunky", dim=32, initializer=0.0)
+    keys = tf.range(1000, dtype=tf.int64)
+    var.upsert(keys, tf.random.stateless_uniform([1000, 32], seed=[1, 2]))
+    expected = var.lookup(keys).numpy()
+    path = tfde.saving.CheckpointManager(str(tmp_path), var=var).save(step=1)
+    chunks = [n for n, _ in tf.train.list_variables(os.path.join(path, "worker-00000-of-00001"))
+              if "/rows/rows/" in n]
+    assert len(chunks) == -(-1000 // fmt.chunk_rows(32, tf.float32)) > 30
+    var.clear()
+    tfde.saving.CheckpointManager(str(tmp_path), var=var).restore()
+    np.testing.assert_array_equal(var.lookup(keys).numpy(), expected)
+
+
+# ------------------------------------------------------------ damaged files
+
+def _saved_var(tmp_path):
+    var = tfde.Variable("damaged", dim=8, initializer=0.0)
+    # A recognisable row pattern, to find the data file that holds the rows.
+    var.upsert(tf.range(500, dtype=tf.int64), tf.fill([500, 8], 12345.678))
+    return var
+
+
+def _file_holding_rows(directory):
+    marker = np.full(8, 12345.678, np.float32).tobytes()
+    for f in sorted(glob.glob(os.path.join(directory, "**", "*.data-*"), recursive=True)):
+        data = open(f, "rb").read()
+        if marker in data:
+            return f, data.index(marker)
+    raise AssertionError("no data file holds the rows")
+
+
+def test_corrupted_tfde_checkpoint_names_the_file(tmp_path):
+    var = _saved_var(tmp_path)
+    manager = tfde.saving.CheckpointManager(str(tmp_path), var=var)
+    manager.save(step=1)
+    f, at = _file_holding_rows(str(tmp_path))
+    with open(f, "r+b") as fh:  # flip one byte inside the rows, same size
+        fh.seek(at + 3)
+        b = fh.read(1)
+        fh.seek(at + 3)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(tfde.CheckpointError, match=r"worker-00000-of-00001.*(corrupted|Checksum|CRC)"):
+        manager.restore()
+
+
+def test_truncated_tfde_checkpoint_names_the_file(tmp_path):
+    var = _saved_var(tmp_path)
+    manager = tfde.saving.CheckpointManager(str(tmp_path), var=var)
+    manager.save(step=1)
+    f, _ = _file_holding_rows(str(tmp_path))
+    os.truncate(f, os.path.getsize(f) // 2)
+    with pytest.raises(tfde.CheckpointError, match=f"{os.path.basename(f)} has .* bytes.*truncated"):
+        manager.restore()
+
+
+def test_corrupted_tf_checkpoint_names_the_file(tmp_path):
+    var = _saved_var(tmp_path)
+    path = tf.train.Checkpoint(var=var).save(str(tmp_path / "ck"))
+    f, at = _file_holding_rows(str(tmp_path))
+    with open(f, "r+b") as fh:
+        fh.seek(at + 5)
+        fh.write(b"\x00\x01\x02")
+    with pytest.raises(tfde.CheckpointError, match=r"ck-1.*(corrupted|Checksum)"):
+        tf.train.Checkpoint(var=var).restore(path)
+
+
+def test_corrupted_keras_weights_file_fails_its_crc(tmp_path, tag):
+    import h5py
+
+    model = build("cuckoo", tag)
+    train(model, 0)
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    with h5py.File(path, "r+") as f:
+        found = []
+        f.visititems(lambda name, obj: found.append(name) if name.endswith("rows.rows.0") else None)
+        assert found, "no tfde rows in the weights file"
+        data = f[found[0]][...]
+        data[0, 0] += 1.0
+        f[found[0]][...] = data
+    # Keras 3 wraps the CheckpointError in a ValueError that quotes it.
+    with pytest.raises((tfde.CheckpointError, ValueError), match="layer 'item_emb'.*fails its CRC32 check"):
+        build("cuckoo", tag).load_weights(path)
+
+
+def test_distributed_shard_alone_is_refused():
+    from tfde.saving import format as fmt
+    from tfde.saving import state
+
+    class OneShard(fmt.ChunkReader):
+        where = "ckpt/worker-00000-of-00002"
+
+        def meta(self):
+            return fmt.VariableMeta("v", "int64", {}, worker=0, workers=2, sharded=True)
+
+    with pytest.raises(tfde.CheckpointError, match="worker 0's shard .* written by 2 workers.*CheckpointManager"):
+        state.restore_variable(tfde.Variable("v", dim=1), [OneShard()])
+
+
+def test_newer_format_is_refused():
+    from tfde.saving import format as fmt
+
+    with pytest.raises(tfde.CheckpointError, match="format 99, this tfde reads format 1"):
+        fmt.VariableMeta.from_json('{"format": 99}', "some/file")
+
+
+def test_fresh_process_loads_without_importing_tfde_keras_first(tmp_path, tag):
+    """keras.models.load_model after a plain `import tfde` finds the layers
+    and the wrapped optimizer (registered on import)."""
+    import subprocess
+    import sys
+
+    model = build("cuckoo", tag)
+    train(model, 0)
+    model.save(str(tmp_path / "m.keras"))
+    code = ("import tensorflow as tf, tfde; m = tf.keras.models.load_model(%r); "
+            "print(type(m.optimizer).__mro__[1].__name__, int(m.optimizer.iterations))" % str(tmp_path / "m.keras"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["DynamicEmbeddingMixin", "6"], out.stdout

@@ -1,0 +1,87 @@
+"""Which keys of a Variable changed since a step: for incremental exports
+(tfde.saving.export_changes) that update a serving copy without a full dump.
+
+Enabled per Variable with ``track_changes=True``.  The clock is the
+optimizer's ``iterations``: a row written by the training step that starts at
+iteration t is labelled t + 1 (the value of ``iterations`` after that step),
+in a slot ``changes-step`` (removed with the row, saved with it).  A removed
+key (restriction, TTL, ``remove``) gets a *tombstone* labelled with the
+latest label the Variable has seen; writing the key again deletes its
+tombstone.  So every key is in exactly one of: stored (with the label of its
+last write), tombstoned (with the label of its removal), or neither.
+
+``changes(since)`` returns the rows written with label > since and the keys
+removed with label >= since (a removal at label == since may have happened
+after an export taken at that step; removing an absent key from a serving
+copy is harmless, missing an eviction is not).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Tuple
+
+import tensorflow as tf
+
+CHUNK_ROWS = 1 << 16
+
+
+class ChangeLog:
+    """Change labels and tombstones of one Variable (see the module docstring).
+
+    Thread-safety: as the Variable (one training step at a time)."""
+
+    def __init__(self, variable):
+        from tfde.variable import Variable
+
+        self.variable = variable
+        self.written = variable.slot("changes-step", -1.0, dim=1, value_dtype=tf.float64)
+        with tf.init_scope():
+            self.evicted = Variable(f"{variable.name}-evicted", key_dtype=variable.key_dtype, value_dtype=tf.float64,
+                                    dim=1, initializer=-1.0, num_shards=variable.num_shards,
+                                    table_creator=variable.table_creator, trainable=False)
+            self.clock = tf.Variable(tf.constant(0.0, tf.float64), trainable=False,
+                                     name=f"{variable.name.replace('/', '_')}_changes_clock")
+
+    def on_apply(self, keys, step) -> tf.Operation:
+        """Labels the rows a training step (starting at iteration `step`) wrote."""
+        label = tf.cast(step, tf.float64) + 1.0
+        return tf.group(self.written.upsert(keys, tf.fill([tf.size(keys), 1], label)),
+                        self.evicted.remove(keys),
+                        self.clock.assign(tf.maximum(self.clock, label)))
+
+    def on_remove(self, keys) -> tf.Operation:
+        """Tombstones the stored ones of `keys` (called before removing them)."""
+        _, stored = self.variable._find(keys)
+        gone = tf.boolean_mask(keys, stored)
+        return self.evicted.upsert(gone, tf.fill([tf.size(gone), 1], self.clock.read_value()))
+
+    def after_restore(self) -> None:
+        latest = 0.0
+        for _, labels in self.written.export(CHUNK_ROWS):
+            latest = max(latest, float(tf.reduce_max(labels)))
+        for _, labels in self.evicted.export(CHUNK_ROWS):
+            latest = max(latest, float(tf.reduce_max(labels)))
+        self.clock.assign(latest)
+
+    def changed(self, since: int) -> Iterator[Tuple[tf.Tensor, tf.Tensor]]:
+        """(keys, rows) chunks written after step `since` (eager)."""
+        for keys, labels in self.written.export(CHUNK_ROWS):
+            keys = tf.boolean_mask(keys, labels[:, 0] > float(since))
+            if int(tf.size(keys)):
+                yield keys, self.variable._find(keys)[0]
+
+    def removed(self, since: int) -> Iterator[tf.Tensor]:
+        """Chunks of keys removed at or after step `since` (eager)."""
+        for keys, labels in self.evicted.export(CHUNK_ROWS):
+            keys = tf.boolean_mask(keys, labels[:, 0] >= float(since))
+            if int(tf.size(keys)):
+                yield keys
+
+    def forget(self, before: int) -> int:
+        """Drops tombstones older than step `before` (once every serving copy
+        has applied them); returns how many."""
+        dropped = 0
+        for keys, labels in list(self.evicted.export(CHUNK_ROWS)):
+            old = tf.boolean_mask(keys, labels[:, 0] < float(before))
+            dropped += int(self.evicted.remove(old))
+        return dropped

@@ -1,0 +1,243 @@
+"""CheckpointManager: checkpoints of a training job, one or many workers.
+
+Every worker writes its own files, in parallel (no gather to one worker):
+its dense weights and optimizer state through tf.train.Checkpoint, and the
+rows, slots and policy state of the keys it owns (tfde/saving/state.py).
+A checkpoint of N workers restores into any number M of workers: each reads
+the dense state from the first writer's file and, from every writer's file,
+the keys it owns now.
+
+Layout of `directory`:
+
+    checkpoint.json              {"format": 1, "latest": "ckpt-000000120", "checkpoints": [...]}
+    ckpt-000000120/
+      manifest.json              {"format": 1, "step": 120, "workers": 2, "files": {name: bytes}}
+      worker-00000-of-00002.index, worker-00000-of-00002.data-*   (TF V2 bundles)
+      worker-00001-of-00002.index, ...
+    ckpt-000000130.partial/      a save under way, or killed: never read, removed by the next save
+
+Atomicity: files are written into `<name>.partial/`; when every worker is
+done, the first one writes the manifest, renames the directory to `<name>`
+and then replaces checkpoint.json (write to a temporary file, fsync,
+os.replace).  A crash at any point (kill -9 included) leaves checkpoint.json
+naming the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import List, Optional
+
+import tensorflow as tf
+
+from tfde import exchange
+from tfde.errors import CheckpointError, ConfigError
+from tfde.saving import registered
+
+FORMAT_VERSION = 1
+STATE_FILE = "checkpoint.json"
+MANIFEST = "manifest.json"
+PARTIAL = ".partial"
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _worker_prefix(path: str, rank: int, size: int) -> str:
+    return os.path.join(path, f"worker-{rank:05d}-of-{size:05d}")
+
+
+class CheckpointManager:
+    """Saves and restores `objects` (e.g. model=model, optimizer=opt) with
+    every tfde Variable they reach, keeping the last `max_to_keep`.
+
+    Every worker of a distributed job must call save() and restore() at the
+    same point (they synchronize).  The strategy of a tf.distribute job is the
+    one in scope when the manager is created (or `strategy=`); Horovod jobs
+    need tfde.distributed.horovod.init() first.
+
+    Example:
+      >>> manager = tfde.saving.CheckpointManager(tmp_dir, model=model, optimizer=model.optimizer)
+      >>> manager.save()        # -> '<tmp_dir>/ckpt-000000010'
+      >>> manager.restore()     # the latest checkpoint, or None when there is none
+    """
+
+    def __init__(self, directory: str, max_to_keep: Optional[int] = 5, strategy=None, **objects):
+        if not objects:
+            raise ConfigError("CheckpointManager needs the objects to save, e.g. "
+                              "CheckpointManager(dir, model=model, optimizer=model.optimizer)")
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
+                                        or max_to_keep < 1):
+            raise ConfigError(f"max_to_keep must be an int >= 1 or None (keep all), got {max_to_keep!r}")
+        self.directory = os.fspath(directory)
+        self.max_to_keep = max_to_keep
+        self._objects = objects
+        self._strategy = strategy if strategy is not None else (
+            tf.distribute.get_strategy() if tf.distribute.has_strategy() else None)
+        self._checkpoint = tf.train.Checkpoint(**objects)
+
+    # ------------------------------------------------------------ state
+
+    def _host(self):
+        return exchange.host_collectives(self._strategy)
+
+    def _barrier(self, host) -> None:
+        if host is not None:
+            host.total(1)
+
+    def _state(self) -> dict:
+        path = os.path.join(self.directory, STATE_FILE)
+        if not os.path.exists(path):
+            return {"format": FORMAT_VERSION, "latest": None, "checkpoints": []}
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except ValueError as e:
+            raise CheckpointError(f"{path} is not valid JSON ({e}); it is corrupted. Delete it to start over, "
+                                  "or restore a checkpoint directory by path") from None
+        if state.get("format") != FORMAT_VERSION:
+            raise CheckpointError(f"{path} has format {state.get('format')!r}, this tfde reads {FORMAT_VERSION}")
+        return state
+
+    @property
+    def checkpoints(self) -> List[str]:
+        """Paths of the complete checkpoints, oldest first."""
+        return [os.path.join(self.directory, name) for name in self._state()["checkpoints"]]
+
+    @property
+    def latest_checkpoint(self) -> Optional[str]:
+        latest = self._state()["latest"]
+        return None if latest is None else os.path.join(self.directory, latest)
+
+    def _default_step(self) -> int:
+        for obj in self._objects.values():
+            for candidate in (obj, getattr(obj, "optimizer", None)):
+                iterations = getattr(candidate, "iterations", None)
+                if iterations is not None:
+                    return int(iterations.numpy() if hasattr(iterations, "numpy") else iterations)
+        return len(self._state()["checkpoints"])
+
+    # ------------------------------------------------------------ save
+
+    def save(self, step: Optional[int] = None) -> str:
+        """Writes a checkpoint named after `step` (default: the optimizer's
+        iterations) and returns its path.  Every worker calls it."""
+        host = self._host()
+        rank, size = (0, 1) if host is None else (host.rank, host.size)
+        step = self._default_step() if step is None else int(step)
+        name = f"ckpt-{step:09d}"
+        final = os.path.join(self.directory, name)
+        partial = final + PARTIAL
+        if rank == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            for entry in os.listdir(self.directory):  # interrupted saves
+                if entry.endswith(PARTIAL):
+                    shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
+            os.makedirs(partial)
+        self._barrier(host)
+        self._checkpoint.write(_worker_prefix(partial, rank, size))
+        self._barrier(host)
+        if rank == 0:
+            self._commit(partial, final, name, step, size)
+        self._barrier(host)
+        return final
+
+    def _commit(self, partial: str, final: str, name: str, step: int, size: int) -> None:
+        files = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
+        for f in files:
+            with open(os.path.join(partial, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        _write_atomic(os.path.join(partial, MANIFEST),
+                      json.dumps({"format": FORMAT_VERSION, "step": step, "workers": size, "files": files},
+                                 indent=1, sort_keys=True))
+        state = self._state()
+        if os.path.exists(final):  # the same step saved again: the new one replaces it
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_dir(self.directory)
+        kept = [c for c in state["checkpoints"] if c != name] + [name]
+        dropped = []
+        if self.max_to_keep is not None and len(kept) > self.max_to_keep:
+            dropped, kept = kept[:-self.max_to_keep], kept[-self.max_to_keep:]
+        _write_atomic(os.path.join(self.directory, STATE_FILE),
+                      json.dumps({"format": FORMAT_VERSION, "latest": name, "checkpoints": kept}, indent=1))
+        for old in dropped:  # only after the state file no longer names them
+            shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+
+    # ------------------------------------------------------------ restore
+
+    def restore(self, path: Optional[str] = None) -> Optional[str]:
+        """Restores `path` (default: the latest checkpoint) into the objects;
+        returns the path, or None when there is no checkpoint yet.  Every
+        worker calls it; Variables built later (e.g. by a model's first call)
+        are restored when they are built."""
+        path = self.latest_checkpoint if path is None else os.fspath(path)
+        if path is None:
+            return None
+        _refuse_unbuilt_keras3_models(self._objects)
+        sources = read_manifest(path)
+        registered.restore_sources(sources[0][0], sources)
+        self._checkpoint.read(sources[0][0]).expect_partial()
+        return path
+
+
+def _refuse_unbuilt_keras3_models(objects) -> None:
+    """Keras 3 fails inside Keras when a checkpoint restores into a model
+    built later ("'EagerTensor' object has no attribute
+    '_serialize_to_tensors'", then a model with extra weights), with or
+    without tfde: say what to do before that happens."""
+    from tfde.keras.layers import _IS_KERAS3
+
+    if not _IS_KERAS3:
+        return  # tf-keras restores into what is built later
+    for name, obj in objects.items():
+        if isinstance(obj, tf.keras.Model) and not obj.built:
+            raise ConfigError(
+                f"{name} ({type(obj).__name__}) is not built yet, and Keras 3 cannot restore a checkpoint into "
+                "layers it builds later; call the model on one batch first (a functional model is built "
+                "already), then restore()")
+
+
+def read_manifest(path: str):
+    """[(bundle prefix, file name)] of every writer of the checkpoint at
+    `path`, after checking that each file is there with its recorded size."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest_path):
+        raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete tfde checkpoint (a save that "
+                              "did not finish, or another kind of directory)")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        workers, files = int(manifest["workers"]), dict(manifest["files"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{manifest_path} is unreadable ({e}); the checkpoint is corrupted") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{manifest_path} has format {manifest.get('format')!r}, this tfde reads "
+                              f"{FORMAT_VERSION}")
+    for name, size in files.items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise CheckpointError(f"{file} is missing from the checkpoint; it was deleted or not copied")
+        actual = os.path.getsize(file)
+        if actual != size:
+            raise CheckpointError(f"{file} has {actual} bytes, the manifest says {size}: the file is truncated or "
+                                  "was replaced; restore an earlier checkpoint")
+    return [(_worker_prefix(path, r, workers), os.path.basename(_worker_prefix(path, r, workers)) + f" in {path}")
+            for r in range(workers)]

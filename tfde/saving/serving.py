@@ -1,0 +1,284 @@
+"""tfde.export_for_serving: a SavedModel that answers lookups only.
+
+The exported model reads its embedding rows from *serving tables*: one
+native cuckoo table per tfde Variable, filled with the Variable's rows at
+export time and saved inside the SavedModel (rows="embedded").  Missing keys
+read the Variable's initial value (the trained model answers the same);
+nothing is ever written by serving calls.  The SavedModel loads in a plain
+TensorFlow process that has loaded tfde's op library
+(``tf.load_op_library(path)``; ``tfde build`` prints the path) — tfde itself
+need not be importable there.
+
+Besides the serving signature, the SavedModel carries three functions per
+Variable (`i` as in the JSON list ``tfde_variables()`` returns):
+``tfde_lookup_<i>(keys)`` (rows, as the Variable's lookup), and
+``tfde_upsert_<i>(keys, rows)`` / ``tfde_remove_<i>(keys)``, with which a
+serving process applies incremental exports (tfde.saving.export_changes) to
+the loaded tables without reloading.  Incremental exports carry embedding
+rows only; dense weights change with every step and come with a full export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Dict, List
+
+import tensorflow as tf
+
+from tfde.errors import CheckpointError, ConfigError
+from tfde.tables.cuckoo import CuckooTable
+
+SERVING_INFO = "tfde_serving.json"  # in the SavedModel's assets.extra/
+
+
+class _ServingTable(CuckooTable):
+    """A cuckoo table whose whole content goes into the SavedModel (restored
+    by TensorFlow's own loader through the traced save/restore functions)."""
+
+    def _serialize_to_tensors(self):
+        keys, values, _ = self._ops.tfde_table_export(
+            self.resource_handle, tf.constant(0, tf.int64), tf.constant(2 ** 62, tf.int64),
+            dim=self.dim, Tkey=self.key_dtype, Tvalue=self.value_dtype)
+        return {"keys": keys, "values": values}
+
+    def _restore_from_tensors(self, restored_tensors):
+        cleared = self.clear()
+        with tf.control_dependencies([cleared]):
+            return self.insert(restored_tensors["keys"], restored_tensors["values"])
+
+
+def model_variables(model) -> List:
+    """The tfde Variables a Keras model (or tf.Module) uses, in layer order."""
+    from tfde.variable import Variable
+
+    if hasattr(model, "_flatten_layers"):
+        owners = list(model._flatten_layers(include_self=True, recursive=True))
+    else:
+        owners = [model] + list(getattr(model, "submodules", ()))
+    found = []
+    for owner in owners:
+        for value in vars(owner).values():
+            candidates = value if isinstance(value, (list, tuple)) else [value]
+            for v in candidates:
+                if isinstance(v, Variable) and all(v is not f for f in found):
+                    found.append(v)
+    return found
+
+
+@contextlib.contextmanager
+def _reading_from(var, table):
+    """Within: `var` reads from `table` alone (one shard), as serving does."""
+    saved = var._tables, var.num_shards
+    var._tables, var.num_shards = [table], 1
+    try:
+        yield
+    finally:
+        var._tables, var.num_shards = saved
+
+
+def _input_signature(model, input_signature):
+    if input_signature is not None:
+        return list(input_signature) if isinstance(input_signature, (list, tuple)) else [input_signature]
+    inputs = getattr(model, "inputs", None)
+    if not inputs:
+        raise ConfigError("the model has no recorded inputs (a subclassed model); pass input_signature=, e.g. "
+                          "[tf.TensorSpec([None], tf.int64, name='user_id')] or a dict of TensorSpecs")
+    specs = [tf.TensorSpec(tuple(i.shape), tf.as_dtype(i.dtype), name=getattr(i, "name", None) and
+                           str(i.name).split(":")[0]) for i in inputs]
+    return [specs] if len(specs) > 1 else specs
+
+
+def _dense_weights(model) -> list:
+    from tfde.optimizer import is_step_buffer
+
+    return [w for w in model.weights if not is_step_buffer(w)]
+
+
+def _lookup(var):
+    @tf.function(input_signature=[tf.TensorSpec([None], var.key_dtype, name="keys")])
+    def lookup(keys):
+        return var.lookup(keys)
+
+    return lookup
+
+
+def _writers(table, var):
+    """tf.functions saved with the model: apply an incremental export."""
+    @tf.function(input_signature=[tf.TensorSpec([None], var.key_dtype, name="keys"),
+                                  tf.TensorSpec([None, var.dim], var.value_dtype, name="rows")])
+    def upsert(keys, rows):
+        with tf.control_dependencies([table.insert(keys, rows)]):
+            return tf.size(keys, out_type=tf.int64)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], var.key_dtype, name="keys")])
+    def remove(keys):
+        return table.remove(keys)
+
+    return upsert, remove
+
+
+def export_for_serving(model, path: str, input_signature=None, rows: str = "embedded") -> Dict:
+    """Writes a SavedModel at `path` whose ``serving_default`` signature runs
+    ``model(inputs, training=False)`` with lookups only.
+
+    Args:
+      model: a Keras model (Keras 3 or tf-keras) or a callable tf.Module
+        using tfde Variables.
+      path: directory to write.
+      input_signature: TensorSpecs of the inputs (a list, or one structure);
+        default: the model's recorded inputs (functional/Sequential models).
+      rows: "embedded" (copy every row into the SavedModel: for stores that
+        fit in the serving process's memory).
+
+    Returns a summary: {"variables": [{"name", "rows", "dim", ...}], "path"}.
+    """
+    if rows != "embedded":
+        raise ConfigError(f"rows must be 'embedded' (rows copied into the SavedModel), got {rows!r}")
+    variables = model_variables(model)
+    if not variables:
+        raise ConfigError(f"{type(model).__name__} uses no tfde Variable; export it with tf.saved_model.save")
+    signature = _input_signature(model, input_signature)
+    module = tf.Module()
+    tables, info = [], []
+    with tf.init_scope():
+        for i, var in enumerate(variables):
+            table = _ServingTable(f"serving/{var.name}", var.key_dtype, var.value_dtype, var.dim)
+            count = 0
+            for keys, values in var.export():
+                table.insert(keys, values)
+                count += int(tf.size(keys))
+            tables.append(table)
+            info.append({"index": i, "name": var.name, "rows": count, "dim": var.dim,
+                         "key_dtype": var.key_dtype.name, "value_dtype": var.value_dtype.name})
+    module.tables = tables
+    module.dense = _dense_weights(model)
+
+    with contextlib.ExitStack() as stack:
+        for var, table in zip(variables, tables):
+            stack.enter_context(_reading_from(var, table))
+
+        if len(signature) == 1:
+            serve = tf.function(lambda x: model(x, training=False), input_signature=signature)
+        else:
+            serve = tf.function(lambda *xs: model(list(xs), training=False), input_signature=signature)
+        concrete = serve.get_concrete_function()
+        # Plain lookups too (e.g. a retrieval service reading item vectors).
+        for i, var in enumerate(variables):
+            setattr(module, f"tfde_lookup_{i}", _lookup(var).get_concrete_function())
+    # The concrete function (traced while the Variables read the serving
+    # tables), not `serve` itself, which a save could trace again.
+    module.serve = concrete
+    for i, (var, table) in enumerate(zip(variables, tables)):
+        upsert, remove = _writers(table, var)
+        setattr(module, f"tfde_upsert_{i}", upsert)
+        setattr(module, f"tfde_remove_{i}", remove)
+    text = json.dumps(info)
+    module.tfde_variables = tf.function(lambda: tf.constant(text), input_signature=[])
+    tf.saved_model.save(module, path, signatures={"serving_default": concrete})
+    extra = os.path.join(path, "assets.extra")
+    os.makedirs(extra, exist_ok=True)
+    with open(os.path.join(extra, SERVING_INFO), "w") as f:
+        json.dump({"format": 1, "variables": info}, f, indent=1)
+    return {"path": path, "variables": info}
+
+
+# ---------------------------------------------------------------- incremental
+
+def _variables_of(model_or_variables) -> list:
+    from tfde.variable import Variable
+
+    if isinstance(model_or_variables, Variable):
+        return [model_or_variables]
+    if isinstance(model_or_variables, (list, tuple)):
+        return list(model_or_variables)
+    return model_variables(model_or_variables)
+
+
+def export_changes(model_or_variables, since: int, path: str) -> Dict:
+    """Writes the rows written after step `since` and the keys removed since
+    then, for every Variable of a model (created with track_changes=True),
+    as a TF bundle at prefix `path` plus `path`.json (a summary).
+
+    Apply it to a serving copy with apply_changes; the Variables keep their
+    order (export_for_serving's `tfde_variables` order).  Layout: streams
+    ``rows`` ([n, dim] rows) and ``evicted`` ([n, 1] removal labels) under
+    ``_tfde/changes/<i>`` (tfde/saving/format.py)."""
+    from tfde.saving import format as fmt
+    from tfde.saving.state import prefix_counter
+
+    variables = _variables_of(model_or_variables)
+    untracked = [v.name for v in variables if v.changes is None]
+    if untracked:
+        raise ConfigError(f"Variables {untracked} do not track changes; create them (or their layers) with "
+                          "track_changes=True to export increments")
+    next_prefix = prefix_counter(f"{path}_temp/part")
+    prefixes, summary, until = [], [], int(since)
+    for i, var in enumerate(variables):
+        writer = fmt.BundleWriter(f"_tfde/changes/{i}", next_prefix)
+        meta = fmt.VariableMeta(var.name, var.key_dtype.name, {
+            "rows": fmt.StreamMeta(var.dim, var.value_dtype.name, None),
+            "evicted": fmt.StreamMeta(1, "float64", None)})
+        parts = [("rows", var.changes.changed(since)),
+                 ("evicted", ((k, tf.zeros([tf.size(k), 1], tf.float64)) for k in var.changes.removed(since)))]
+        for stream, chunks in parts:
+            sm = meta.streams[stream]
+            for keys, rows in chunks:
+                writer.write(stream, sm.chunks, keys, rows)
+                sm.crc32.append(fmt.chunk_crc(keys.numpy(), rows.numpy()))
+                sm.chunks += 1
+                sm.rows += int(tf.size(keys))
+        writer.finish(meta)
+        prefixes.extend(writer.prefixes)
+        until = max(until, int(var.changes.clock.numpy()))
+        summary.append({"index": i, "name": var.name, "changed": meta.streams["rows"].rows,
+                        "removed": meta.streams["evicted"].rows})
+    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=tf.stack(prefixes), destination_prefix=path,
+                                  delete_old_dirs=True)
+    info = {"format": fmt.FORMAT_VERSION, "since": int(since), "until": until, "variables": summary}
+    tmp = f"{path}.json.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(tmp, f"{path}.json")
+    return info
+
+
+def read_changes(path: str):
+    """Yields (variable index, name, upserts, removals) from export_changes'
+    files: upserts iterates (keys, rows), removals iterates keys."""
+    from tfde.saving import format as fmt
+
+    if not os.path.exists(f"{path}.json"):
+        raise CheckpointError(f"{path}.json is missing: not a complete incremental export")
+    with open(f"{path}.json") as f:
+        info = json.load(f)
+    for entry in info["variables"]:
+        reader = fmt.BundleReader(path, f"_tfde/changes/{entry['index']}", where=path)
+        meta = reader.meta()
+        if meta is None:
+            raise CheckpointError(f"{path}: no changes for Variable {entry['name']!r}; the file is incomplete")
+        key_dtype = tf.as_dtype(meta.key_dtype)
+        rows_dtype = tf.as_dtype(meta.streams["rows"].value_dtype)
+        yield (entry["index"], entry["name"],
+               fmt.read_stream(reader, "rows", meta, key_dtype, rows_dtype),
+               (k for k, _ in fmt.read_stream(reader, "evicted", meta, key_dtype, tf.float64)))
+
+
+def apply_changes(serving, path: str) -> Dict[str, int]:
+    """Applies an incremental export to a loaded serving SavedModel
+    (tf.saved_model.load of export_for_serving's output); returns rows
+    written and keys removed per Variable name."""
+    names = [v["name"] for v in json.loads(serving.tfde_variables().numpy().decode())]
+    done = {}
+    for index, name, upserts, removals in read_changes(path):
+        if index >= len(names) or names[index] != name:
+            raise CheckpointError(f"{path} holds changes of Variable {name!r} at position {index}, but the serving "
+                                  f"model's Variables are {names}; export changes from the model it serves")
+        written = removed = 0
+        for keys, rows in upserts:
+            written += int(getattr(serving, f"tfde_upsert_{index}")(keys, rows))
+        for keys in removals:
+            removed += int(getattr(serving, f"tfde_remove_{index}")(keys))
+        done[name] = written + removed
+    return done

@@ -1,0 +1,164 @@
+"""Saving and restoring one Variable's state (rows, slots, policy and
+admission state) as streams of chunks (tfde/saving/format.py).
+
+Who writes what in a distributed job (tfde/exchange.py): every worker writes
+the keys it owns: all of its local tables (sharded layout), or its share of a
+shared store (Redis).  Restoring into a job of M workers, every worker reads
+the chunks of every writer and keeps the keys it owns now, so a checkpoint of
+N workers restores into M (tfde.saving.CheckpointManager gives it every
+writer's bundle).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Dict, Sequence, Tuple
+
+import tensorflow as tf
+
+from tfde import exchange
+from tfde.errors import CheckpointError
+from tfde.saving import format as fmt
+
+_ADMISSION = "admission"
+_EVICTED = "evicted"  # tombstones of the change log (tfde/changes.py)
+
+
+def streams(var) -> Dict[str, "object"]:
+    """stream name -> the Variable holding it (rows, each slot, the admission
+    filter's counts)."""
+    out = {"rows": var}
+    for name, slot in var._slots.items():
+        out[f"slot:{name}"] = slot
+    counts = getattr(var.admission_filter, "counts", None)
+    if counts is not None:
+        out[_ADMISSION] = counts
+    if var.changes is not None:
+        out[_EVICTED] = var.changes.evicted
+    return out
+
+
+def worker_of(var) -> Tuple[int, int]:
+    """(rank, size) of this process in the job that trains `var`; (0, 1) alone."""
+    host = exchange.host_collectives(var._strategy)
+    return (0, 1) if host is None else (host.rank, host.size)
+
+
+def in_checkpoints(var) -> bool:
+    """False when the store is the source of truth (Redis table_store_mode 2)."""
+    return all(getattr(t, "in_checkpoints", True) for t in var.tables)
+
+
+def _owned(keys, rows, rank, size):
+    if size <= 1:
+        return keys, rows
+    mine = tf.equal(exchange.owner(keys, size), rank)
+    return tf.boolean_mask(keys, mine), tf.boolean_mask(rows, mine)
+
+
+def save_variable(var, writer: fmt.ChunkWriter) -> None:
+    """Writes `var`'s streams in chunks to `writer`, then its meta."""
+    rank, size = worker_of(var)
+    shared = var.tables[0].shared_between_workers
+    meta = fmt.VariableMeta(var.name, var.key_dtype.name, {}, worker=rank, workers=size,
+                            sharded=size > 1 and not shared)
+    if in_checkpoints(var):
+        for stream, v in streams(var).items():
+            initial = None if stream == "rows" else float(v.initializer.p0)
+            sm = fmt.StreamMeta(v.dim, v.value_dtype.name, initial)
+            for keys, rows in v.export(fmt.chunk_rows(v.dim, v.value_dtype)):
+                if shared:  # a shared store: each worker writes the keys it owns
+                    keys, rows = _owned(keys, rows, rank, size)
+                n = int(tf.size(keys))
+                if n == 0:
+                    continue
+                writer.write(stream, sm.chunks, keys, rows)
+                sm.crc32.append(fmt.chunk_crc(keys.numpy(), rows.numpy()))
+                sm.chunks += 1
+                sm.rows += n
+            meta.streams[stream] = sm
+    writer.finish(meta)
+
+
+def _check_compatible(var, meta: fmt.VariableMeta, where: str) -> None:
+    if meta.key_dtype != var.key_dtype.name:
+        raise CheckpointError(f"{where}: Variable {meta.variable!r} was saved with {meta.key_dtype} keys, but "
+                              f"{var.name!r} has {var.key_dtype.name} keys; restore into a Variable created with "
+                              f"key_dtype={meta.key_dtype}")
+    rows = meta.streams.get("rows")
+    if rows is not None and (rows.dim != var.dim or rows.value_dtype != var.value_dtype.name):
+        raise CheckpointError(f"{where}: Variable {meta.variable!r} was saved with rows of dim {rows.dim} "
+                              f"({rows.value_dtype}), but {var.name!r} holds dim {var.dim} "
+                              f"({var.value_dtype.name}); create it with the saved dim and dtype")
+
+
+def _check_complete(metas: Sequence[Tuple[str, fmt.VariableMeta]]) -> None:
+    sharded = [m for _, m in metas if m.sharded]
+    if not sharded:
+        return
+    workers = sharded[0].workers
+    have = sorted({m.worker for m in sharded})
+    if have != list(range(workers)):
+        where = metas[0][0]
+        raise CheckpointError(
+            f"{where} holds worker {', '.join(map(str, have))}'s shard of Variable {sharded[0].variable!r}, "
+            f"written by {workers} workers with local tables; the other shards are in the other workers' "
+            "files. Save and restore distributed jobs with tfde.saving.CheckpointManager (or "
+            "tfde.keras.callbacks.ModelCheckpoint), which reads every worker's files")
+
+
+def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
+    """Replaces `var`'s state with what `readers` hold (one per writer of the
+    checkpoint).  Every worker of a job calls it; each keeps the keys it owns
+    now."""
+    metas = []
+    for reader in readers:
+        meta = reader.meta()
+        if meta is not None:
+            _check_compatible(var, meta, reader.where)
+            metas.append((reader, reader.where, meta))
+    if not metas:
+        raise CheckpointError(f"{readers[0].where if readers else 'the checkpoint'}: no tfde state for Variable "
+                              f"{var.name!r}; the checkpoint belongs to another model")
+    _check_complete([(w, m) for _, w, m in metas])
+    if not in_checkpoints(var) or not any(m.streams for _, _, m in metas):
+        return  # the store is the source of truth: nothing to restore
+    rank, size = worker_of(var)
+    shared = var.tables[0].shared_between_workers
+    targets = streams(var)
+    for _, _, meta in metas:  # slots the optimizer has not created yet in this process
+        for stream, sm in meta.streams.items():
+            if stream.startswith("slot:") and stream not in targets:
+                targets[stream] = var.slot(stream[len("slot:"):], sm.initial, dim=sm.dim,
+                                           value_dtype=tf.as_dtype(sm.value_dtype))
+    if shared and size > 1:  # one worker empties the shared store, then all fill it
+        if rank == 0:
+            _clear(targets.values())
+        exchange.barrier(var._strategy)
+    else:
+        _clear(targets.values())
+    for reader, _, meta in metas:
+        for stream in sorted(meta.streams):
+            target = targets.get(stream)
+            if target is None:  # e.g. admission counts saved, no filter now: nothing to put them in
+                continue
+            for keys, rows in fmt.read_stream(reader, stream, meta, target.key_dtype, target.value_dtype):
+                keys, rows = _owned(keys, rows, rank, size)
+                target.upsert(keys, rows)
+    if shared and size > 1:
+        exchange.barrier(var._strategy)
+    for hook in (var.restrict_policy, var.changes):
+        if hook is not None:
+            hook.after_restore()
+
+
+def _clear(variables) -> None:
+    for v in variables:
+        for t in v.tables:
+            t.clear()
+
+
+def prefix_counter(root: str) -> Callable[[], str]:
+    """next_prefix for save_variable: root-000000, root-000001, ..."""
+    counter = itertools.count()
+    return lambda: f"{root}-{next(counter):06d}"
