@@ -171,3 +171,52 @@ def fit_and_evaluate(tf, model, cfg: dict, data, users, items, eval_users, eval_
     return {"examples_per_s": steady_rate(times, cfg["batch_size"]),
             "recall": recall_at_k(user_vecs, item_vecs, data["test_target_pos"], cfg["k"]),
             "loss": float(history.history["loss"][-1]), "steps": len(times)}
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def reset_peak_rss() -> None:
+    """Resets the kernel's high-water mark of this process's RSS (VmHWM)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def checkpoint_probe(tf, make, upsert, size, n: int, dim: int, directory: str, chunk: int = 1 << 18) -> dict:
+    """Saves a table of n rows of dim `dim` with tf.train.Checkpoint and
+    restores it into a fresh one (make() -> table object with upsert/size):
+    seconds and the memory each needs beyond what it holds (peak RSS over
+    the RSS before the save; for the restore, over the RSS after it)."""
+    var = make("ckpt")
+    rng = np.random.default_rng(0)
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        upsert(var, tf.range(start, start + m, dtype=tf.int64),
+               tf.constant(rng.random((m, dim), dtype=np.float32)))
+    ckpt = tf.train.Checkpoint(var=var)
+    before = rss_bytes()
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    path = ckpt.write(os.path.join(directory, "ck"))
+    save_s = time.perf_counter() - t0
+    save_extra = peak_rss_bytes() - before
+    files = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+    fresh = make("ckpt")
+    before = rss_bytes()
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    tf.train.Checkpoint(var=fresh).read(path).expect_partial()
+    restored = int(size(fresh))
+    restore_s = time.perf_counter() - t0
+    restore_extra = peak_rss_bytes() - rss_bytes()
+    assert restored == n, (restored, n)
+    return {"rows": n, "dim": dim, "save_s": save_s, "restore_s": restore_s, "file_bytes": files,
+            "table_bytes": rss_bytes() - before, "save_extra_bytes": save_extra,
+            "restore_extra_bytes": restore_extra}

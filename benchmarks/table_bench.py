@@ -193,6 +193,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.side:
         mode, *vals = args.side
+        if mode == "checkpoint":
+            from benchmarks.checkpoint_bench import tfde_checkpoint
+
+            print(json.dumps(tfde_checkpoint(int(vals[0]), int(vals[1]), vals[2])))
+            return 0
         fn = {"table": tfde_table, "memory": tfde_memory}[mode]
         print(json.dumps(fn(*(int(v) for v in vals))))
         return 0

@@ -4,6 +4,7 @@ of its own venv (../shared/anchors/setup-tfra.sh; TF 2.16.2, tf-keras).
   TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py table N DIM BATCH
   TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py memory N DIM
   TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py e2e DATA.npz CONFIG.json
+  TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py checkpoint N DIM DIR
 
 Every mode prints one JSON line.  Inputs, timing and the op sequence come from
 benchmarks/common.py, the same code tfde's side runs; this file only maps each
@@ -70,6 +71,14 @@ def memory(n, dim):
     return {"rss_bytes_per_row": common.memory_probe(tf, var.upsert, n, dim)}
 
 
+def checkpoint(n, dim, directory):
+    def make(name):
+        return de.get_variable(name, key_dtype=tf.int64, value_dtype=tf.float32, dim=dim, initializer=0.0,
+                               devices=["/CPU:0"])
+
+    return common.checkpoint_probe(tf, make, lambda v, k, r: v.upsert(k, r), lambda v: v.size(), n, dim, directory)
+
+
 # ---------------------------------------------------------------- end to end
 
 class TwoTower(tf.keras.Model):
@@ -124,8 +133,10 @@ if __name__ == "__main__":
         result = table(*(int(a) for a in args))
     elif mode == "memory":
         result = memory(*(int(a) for a in args))
+    elif mode == "checkpoint":
+        result = checkpoint(int(args[0]), int(args[1]), args[2])
     elif mode == "e2e":
         result = e2e(*args)
     else:
-        raise SystemExit(f"unknown mode {mode!r}: expected table, memory or e2e")
+        raise SystemExit(f"unknown mode {mode!r}: expected table, memory, checkpoint or e2e")
     print(json.dumps(result))

@@ -150,3 +150,57 @@ def test_incremental_export_updates_a_serving_copy(tmp_path):
     kept = var.lookup(items, return_exists=True)[1].numpy()
     assert int(serving.tfde_remove_0(tf.constant(KEYS[~kept]))) == 0  # the evicted keys are gone there too
     assert int(serving.tfde_remove_0(tf.constant(KEYS[kept]))) == kept.sum()  # and the kept ones are there
+
+
+LOOKUP = """
+import sys
+import numpy as np, tensorflow as tf
+tf.load_op_library(sys.argv[1])
+model = tf.saved_model.load(sys.argv[2])
+x = np.load(sys.argv[3])
+out = model.signatures["serving_default"](items=tf.constant(x["items"]), user=tf.constant(x["user"]))
+np.savez(sys.argv[4], predict=list(out.values())[0].numpy(), items=model.tfde_lookup_0(tf.constant(x["keys"])).numpy())
+assert "tfde" not in sys.modules, "the serving process imported tfde"
+"""
+
+
+@pytest.mark.keras
+def test_serving_export_can_keep_reading_redis(tmp_path):
+    """rows="store": the SavedModel reads the Redis tables live (native op,
+    no Python): it answers like the model, and sees rows written later."""
+    import uuid
+
+    import redis
+
+    from tfde import _native
+
+    tag = f"tfde-serve-{uuid.uuid4().hex[:10]}"
+    try:
+        model = build("redis", tag)
+        train(model, 0, epochs=2)
+        summary = tfde.export_for_serving(model, str(tmp_path / "serving"), rows="store")
+        assert [v["source"] for v in summary["variables"]] == ["store", "store"]
+        held_out = data(7, n=64)[0]
+        np.savez(tmp_path / "x.npz", items=held_out[0].numpy(), user=held_out[1].numpy().astype("S"), keys=KEYS)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+        def serve(name):
+            proc = subprocess.run([sys.executable, "-c", LOOKUP, str(_native.build()), str(tmp_path / "serving"),
+                                   str(tmp_path / "x.npz"), str(tmp_path / name)], capture_output=True, text=True,
+                                  env=env, cwd="/", timeout=300)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            return dict(np.load(tmp_path / name))
+
+        first = serve("first.npz")
+        np.testing.assert_allclose(first["predict"], model.predict(held_out, verbose=0), rtol=1e-6, atol=1e-6)
+        var = layer(model, "item_emb").params
+        np.testing.assert_array_equal(first["items"], var.lookup(tf.constant(KEYS)).numpy())
+        var.upsert(tf.constant(KEYS[:5]), tf.fill([5, 4], 7.5))  # the training side writes on
+        second = serve("second.npz")
+        np.testing.assert_array_equal(second["items"][:5], np.full([5, 4], 7.5, np.float32))
+        np.testing.assert_array_equal(second["items"], var.lookup(tf.constant(KEYS)).numpy())
+    finally:
+        client = redis.Redis()
+        stale = list(client.scan_iter(match=f"{tag}:*"))
+        if stale:
+            client.delete(*stale)

@@ -323,3 +323,40 @@ class TableMachine(RuleBasedStateMachine):
 
 TableMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 test_table_state_machine = TableMachine.TestCase
+
+
+@pytest.mark.parametrize("mode", [2, 0, 1], ids=["standalone", "cluster", "sentinel"])
+@pytest.mark.parametrize("key_dtype", KEY_DTYPES, ids=lambda d: d.name)
+def test_redis_serving_view_reads_what_the_table_holds(mode, key_dtype):
+    """The native read-only view (TfdeRedisFind, used by SavedModels that keep
+    reading Redis) finds exactly what the Python RedisTable finds: stored
+    rows, and initializer or default rows for missing keys."""
+    backend = FreshRedis(mode)
+    try:
+        table = backend.create("serving_view", key_dtype, tf.float32, 5)
+        table.insert(make_keys(key_dtype, range(0, 200, 2)), tf.random.stateless_normal([100, 5], seed=[1, 1]))
+        view = table.serving_view()
+        keys = make_keys(key_dtype, range(0, 120, 3))
+        for missing in (INIT, tf.fill([40, 5], -3.0)):
+            want_rows, want_exists = table.find(keys, missing)
+            got_rows, got_exists = view.find(keys, missing)
+            np.testing.assert_array_equal(got_exists.numpy(), want_exists.numpy())
+            np.testing.assert_array_equal(got_rows.numpy(), want_rows.numpy())
+        with pytest.raises(tfde.ConfigError, match="read-only"):
+            view.insert(keys, tf.zeros([40, 5]))
+    finally:
+        backend.cleanup()
+
+
+def test_redis_serving_view_names_an_unreachable_server():
+    from tfde.tables.redis_table import RedisServingTable
+
+    backend = FreshRedis(2)
+    try:
+        table = backend.create("serving_down", tf.int64, tf.float32, 2)
+        view = RedisServingTable(table)
+        view._attrs.update(servers=["127.0.0.1:1"], retries=1, connect_timeout_ms=200)
+        with pytest.raises(tf.errors.UnavailableError, match=r"server 127\.0\.0\.1:1\) failed after 2 attempts: cannot connect"):
+            view.find(tf.constant([1], tf.int64), INIT)
+    finally:
+        backend.cleanup()

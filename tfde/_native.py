@@ -23,7 +23,9 @@ from pathlib import Path
 
 from tfde.errors import BuildError
 
-_SOURCES = ("cuckoo/hash.h", "cuckoo/init_rows.h", "cuckoo/cuckoo_table.h", "cuckoo/ops.cc")
+_SOURCES = ("cuckoo/hash.h", "cuckoo/init_rows.h", "cuckoo/cuckoo_table.h", "cuckoo/op_support.h", "cuckoo/ops.cc",
+            "redis/resp_client.h", "redis/ops.cc")
+_UNITS = ("cuckoo/ops.cc", "redis/ops.cc")  # compiled into the one library
 _lock = threading.Lock()
 _ops = None
 
@@ -62,9 +64,9 @@ def _compiler() -> str:
 def _build_command(cxx: str, out: Path) -> list[str]:
     import tensorflow as tf
 
-    src = source_dir() / "cuckoo" / "ops.cc"
+    srcs = [str(source_dir() / unit) for unit in _UNITS]
     return [
-        cxx, "-shared", "-fPIC", "-O3", "-Wno-deprecated-declarations", "-o", str(out), str(src),
+        cxx, "-shared", "-fPIC", "-O3", "-Wno-deprecated-declarations", "-o", str(out), *srcs,
         *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags(),
     ]
 

@@ -11,6 +11,7 @@
 
 #include "cuckoo_table.h"
 #include "init_rows.h"
+#include "op_support.h"
 #include "tensorflow/core/framework/bfloat16.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -118,20 +119,6 @@ ParallelFor PoolOf(OpKernelContext* ctx) {
   return [pool](int64_t total, int64_t cost, const std::function<void(int64_t, int64_t)>& work) {
     pool->ParallelFor(total, cost, work);
   };
-}
-
-// Runs `body` with V bound to the C++ type of `dtype`.
-template <class Body>
-::absl::Status WithValueType(DataType dtype, Body body) {
-  switch (dtype) {
-    case ::tensorflow::DT_FLOAT: body(float{}); return ::absl::OkStatus();
-    case ::tensorflow::DT_DOUBLE: body(double{}); return ::absl::OkStatus();
-    case ::tensorflow::DT_HALF: body(Eigen::half{}); return ::absl::OkStatus();
-    case ::tensorflow::DT_BFLOAT16: body(::tensorflow::bfloat16{}); return ::absl::OkStatus();
-    default:
-      return errors::InvalidArgument("tfde tables hold float32, float64, float16 or bfloat16 values, not ",
-                                     DataTypeString(dtype));
-  }
 }
 
 #define TFDE_CATCH(ctx, op_name)                                                     \
@@ -279,55 +266,6 @@ class TableOpBase : public OpKernel {
   DataType value_dtype_ = ::tensorflow::DT_INVALID;
 };
 
-// Reads the init attrs shared by find and accum.
-::absl::Status ReadInitSpec(OpKernelConstruction* ctx, InitSpec* spec) {
-  std::string kind;
-  float p0 = 0, p1 = 0;
-  int64_t seed = 0;
-  TF_RETURN_IF_ERROR(ctx->GetAttr("init_kind", &kind));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("init_p0", &p0));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("init_p1", &p1));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("init_seed", &seed));
-  try {
-    spec->kind = ParseInitKind(kind);
-  } catch (const std::exception& e) {
-    return errors::InvalidArgument(e.what());
-  }
-  spec->p0 = p0;
-  spec->p1 = p1;
-  spec->seed = seed;
-  return ::absl::OkStatus();
-}
-
-// Source of a missing key's row: the `defaults` tensor ([n, dim] or [1, dim])
-// or the init spec.  Validated once; Fill is then safe for any i < n.
-struct MissingRows {
-  InitSpec spec;
-  const char* defaults = nullptr;  // set when spec.kind == kDefaults
-  bool broadcast = false;          // defaults is a single row
-
-  ::absl::Status Prepare(const Tensor& t, int64_t n, const TableResource& table) {
-    if (spec.kind != InitKind::kDefaults) return ::absl::OkStatus();
-    const bool ok_shape = t.dims() == 2 && t.dim_size(1) == table.dim() && (t.dim_size(0) == n || t.dim_size(0) == 1);
-    if (!ok_shape)
-      return errors::InvalidArgument("defaults must have shape [", n, ", ", table.dim(), "] or [1, ", table.dim(),
-                                     "] for ", n, " keys and a ", table.Describe(), ", got ",
-                                     t.shape().DebugString());
-    defaults = static_cast<const char*>(t.tensor_data().data());
-    broadcast = t.dim_size(0) == 1 && n != 1;
-    return ::absl::OkStatus();
-  }
-
-  template <class V>
-  void Fill(int64_t i, uint64_t hash, int64_t dim, char* out) const {
-    if (spec.kind == InitKind::kDefaults) {
-      std::memcpy(out, defaults + (broadcast ? 0 : i) * dim * sizeof(V), dim * sizeof(V));
-    } else {
-      FillInitialRow<V>(spec, hash, dim, reinterpret_cast<V*>(out));
-    }
-  }
-};
-
 // ---------------------------------------------------------------- find
 
 template <class TK>
@@ -345,7 +283,7 @@ class FindOp : public TableOpBase<TK> {
     if (!this->CheckKeys(ctx, keys)) return;
     const int64_t n = keys.dim_size(0);
     MissingRows missing = missing_;
-    OP_REQUIRES_OK(ctx, missing.Prepare(ctx->input(2), n, *table));
+    OP_REQUIRES_OK(ctx, missing.Prepare(ctx->input(2), n, table->dim(), table->Describe()));
     Tensor* values = nullptr;
     Tensor* exists = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, table->dim()}), &values));
@@ -421,7 +359,7 @@ class AccumOp : public TableOpBase<TK> {
     const int64_t n = keys.dim_size(0);
     if (!this->CheckRows(ctx, "deltas", deltas, n, *table)) return;
     MissingRows missing = missing_;
-    OP_REQUIRES_OK(ctx, missing.Prepare(ctx->input(3), n, *table));
+    OP_REQUIRES_OK(ctx, missing.Prepare(ctx->input(3), n, table->dim(), table->Describe()));
     if (n == 0) return;
     const int64_t dim = table->dim();
     KeyViews<TK> views(keys);

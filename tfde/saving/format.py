@@ -102,15 +102,19 @@ def _first_line(e) -> str:
     return str(getattr(e, "message", e)).strip().splitlines()[0]
 
 
-def _key_bytes(keys: np.ndarray) -> bytes:
+def _key_bytes(keys: np.ndarray):
     if keys.dtype == object:  # string keys: lengths, then the bytes
         return np.array([len(k) for k in keys], np.int64).tobytes() + b"".join(keys)
-    return np.ascontiguousarray(keys).tobytes()
+    return memoryview(np.ascontiguousarray(keys)).cast("B")
 
 
 def chunk_crc(keys: np.ndarray, rows: np.ndarray) -> int:
-    """CRC32 (zlib) of a chunk's key bytes followed by its row bytes."""
-    return zlib.crc32(np.ascontiguousarray(rows).tobytes(), zlib.crc32(_key_bytes(keys)))
+    """CRC32 (zlib) of a chunk's key bytes followed by its row bytes (read in
+    place: no copy of the chunk)."""
+    rows = np.ascontiguousarray(rows)
+    if rows.dtype.kind == "V" or rows.dtype.name == "bfloat16":  # not a buffer-protocol format
+        rows = rows.view(np.uint8)
+    return zlib.crc32(memoryview(rows).cast("B"), zlib.crc32(_key_bytes(keys)))
 
 
 class ChunkWriter:

@@ -2,7 +2,9 @@
 
 The exported model reads its embedding rows from *serving tables*: one
 native cuckoo table per tfde Variable, filled with the Variable's rows at
-export time and saved inside the SavedModel (rows="embedded").  Missing keys
+export time and saved inside the SavedModel (rows="embedded"); or, with
+rows="store", Variables on Redis keep reading their Redis tables live through
+the native TfdeRedisFind op (tfde/tables/redis_table.py, RedisServingTable).  Missing keys
 read the Variable's initial value (the trained model answers the same);
 nothing is ever written by serving calls.  The SavedModel loads in a plain
 TensorFlow process that has loaded tfde's op library
@@ -68,10 +70,10 @@ def model_variables(model) -> List:
 
 
 @contextlib.contextmanager
-def _reading_from(var, table):
-    """Within: `var` reads from `table` alone (one shard), as serving does."""
+def _reading_from(var, tables):
+    """Within: `var` reads from `tables` (its shards), as serving does."""
     saved = var._tables, var.num_shards
-    var._tables, var.num_shards = [table], 1
+    var._tables, var.num_shards = list(tables), len(tables)
     try:
         yield
     finally:
@@ -130,34 +132,46 @@ def export_for_serving(model, path: str, input_signature=None, rows: str = "embe
       input_signature: TensorSpecs of the inputs (a list, or one structure);
         default: the model's recorded inputs (functional/Sequential models).
       rows: "embedded" (copy every row into the SavedModel: for stores that
-        fit in the serving process's memory).
+        fit in the serving process's memory) or "store" (Variables on Redis
+        keep reading their Redis tables through the native TfdeRedisFind op,
+        passwords from $TFDE_REDIS_PASSWORD; other Variables are embedded).
 
-    Returns a summary: {"variables": [{"name", "rows", "dim", ...}], "path"}.
+    Returns a summary: {"variables": [{"name", "rows", "dim", "source", ...}], "path"}.
     """
-    if rows != "embedded":
-        raise ConfigError(f"rows must be 'embedded' (rows copied into the SavedModel), got {rows!r}")
+    if rows not in ("embedded", "store"):
+        raise ConfigError(f"rows must be 'embedded' (rows copied into the SavedModel) or 'store' (Redis tables "
+                          f"read live), got {rows!r}")
     variables = model_variables(model)
     if not variables:
         raise ConfigError(f"{type(model).__name__} uses no tfde Variable; export it with tf.saved_model.save")
     signature = _input_signature(model, input_signature)
     module = tf.Module()
-    tables, info = [], []
+    sources, embedded, info = [], [], []
     with tf.init_scope():
         for i, var in enumerate(variables):
-            table = _ServingTable(f"serving/{var.name}", var.key_dtype, var.value_dtype, var.dim)
-            count = 0
-            for keys, values in var.export():
-                table.insert(keys, values)
-                count += int(tf.size(keys))
-            tables.append(table)
-            info.append({"index": i, "name": var.name, "rows": count, "dim": var.dim,
-                         "key_dtype": var.key_dtype.name, "value_dtype": var.value_dtype.name})
-    module.tables = tables
+            entry = {"index": i, "name": var.name, "dim": var.dim, "key_dtype": var.key_dtype.name,
+                     "value_dtype": var.value_dtype.name}
+            views = [getattr(t, "serving_view", None) for t in var.tables]
+            if rows == "store" and all(views):
+                sources.append([view() for view in views])
+                entry["source"] = "store"
+                entry["tables"] = [t.name for t in var.tables]
+            else:
+                table = _ServingTable(f"serving/{var.name}", var.key_dtype, var.value_dtype, var.dim)
+                count = 0
+                for keys, values in var.export():
+                    table.insert(keys, values)
+                    count += int(tf.size(keys))
+                sources.append([table])
+                embedded.append(table)
+                entry.update(source="embedded", rows=count)
+            info.append(entry)
+    module.tables = embedded
     module.dense = _dense_weights(model)
 
     with contextlib.ExitStack() as stack:
-        for var, table in zip(variables, tables):
-            stack.enter_context(_reading_from(var, table))
+        for var, tables in zip(variables, sources):
+            stack.enter_context(_reading_from(var, tables))
 
         if len(signature) == 1:
             serve = tf.function(lambda x: model(x, training=False), input_signature=signature)
@@ -170,10 +184,11 @@ def export_for_serving(model, path: str, input_signature=None, rows: str = "embe
     # The concrete function (traced while the Variables read the serving
     # tables), not `serve` itself, which a save could trace again.
     module.serve = concrete
-    for i, (var, table) in enumerate(zip(variables, tables)):
-        upsert, remove = _writers(table, var)
-        setattr(module, f"tfde_upsert_{i}", upsert)
-        setattr(module, f"tfde_remove_{i}", remove)
+    for i, (var, tables) in enumerate(zip(variables, sources)):
+        if isinstance(tables[0], _ServingTable):  # store-backed Variables change in their store
+            upsert, remove = _writers(tables[0], var)
+            setattr(module, f"tfde_upsert_{i}", upsert)
+            setattr(module, f"tfde_remove_{i}", remove)
     text = json.dumps(info)
     module.tfde_variables = tf.function(lambda: tf.constant(text), input_signature=[])
     tf.saved_model.save(module, path, signatures={"serving_default": concrete})
@@ -269,12 +284,16 @@ def apply_changes(serving, path: str) -> Dict[str, int]:
     """Applies an incremental export to a loaded serving SavedModel
     (tf.saved_model.load of export_for_serving's output); returns rows
     written and keys removed per Variable name."""
-    names = [v["name"] for v in json.loads(serving.tfde_variables().numpy().decode())]
+    entries = json.loads(serving.tfde_variables().numpy().decode())
+    names = [v["name"] for v in entries]
     done = {}
     for index, name, upserts, removals in read_changes(path):
         if index >= len(names) or names[index] != name:
             raise CheckpointError(f"{path} holds changes of Variable {name!r} at position {index}, but the serving "
                                   f"model's Variables are {names}; export changes from the model it serves")
+        if entries[index].get("source") == "store":  # read live from its store: nothing to apply
+            done[name] = 0
+            continue
         written = removed = 0
         for keys, rows in upserts:
             written += int(getattr(serving, f"tfde_upsert_{index}")(keys, rows))

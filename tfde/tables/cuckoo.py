@@ -34,6 +34,14 @@ def check_dtypes(key_dtype, value_dtype, dim) -> tuple:
     return key_dtype, value_dtype, dim
 
 
+def native_missing_args(missing, table):
+    """(defaults tensor, init attrs) of a native find/accum op: what a
+    missing key of `table` reads (an InitSpec, or rows)."""
+    if isinstance(missing, InitSpec):
+        return tf.zeros([0, table.dim], table.value_dtype), missing.attrs()
+    return as_rows(missing, table.value_dtype, table.dim, table.name, "defaults"), {"init_kind": "defaults"}
+
+
 class CuckooTable(Table, trackable_resource.TrackableResource):
     """A native concurrent cuckoo hash table.
 
@@ -59,9 +67,7 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
         tf.raw_ops.DestroyResourceOp(resource=self.resource_handle, ignore_lookup_error=True)
 
     def _missing_args(self, missing, n):
-        if isinstance(missing, InitSpec):
-            return tf.zeros([0, self.dim], self.value_dtype), missing.attrs()
-        return as_rows(missing, self.value_dtype, self.dim, self.name, "defaults"), {"init_kind": "defaults"}
+        return native_missing_args(missing, self)
 
     def find(self, keys, missing):
         keys = as_keys(keys, self.key_dtype, self.name)

@@ -40,7 +40,7 @@ from tfde.errors import BackendUnavailableError, ConfigError, ShapeError
 from tfde.hashing import stable_hash, stable_hash_np, stable_hash_py
 from tfde.initializers import InitSpec
 from tfde.tables.base import Table, TableCreator, as_keys, as_rows
-from tfde.tables.cuckoo import check_dtypes
+from tfde.tables.cuckoo import check_dtypes, native_missing_args
 from tfde.tables.redis_config import RedisTableConfig
 
 FORMAT_VERSION = 1
@@ -560,9 +560,52 @@ class RedisTable(Table, trackable_base.Trackable):
         (yes) or 2 (no: Redis is the source of truth)."""
         return self.config.table_store_mode != 2
 
+    def serving_view(self) -> "RedisServingTable":
+        """A read-only view for SavedModels (see RedisServingTable)."""
+        return RedisServingTable(self)
+
     def __repr__(self):
         return (f"RedisTable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}], "
                 f"{self.config.describe_servers()}, buckets={len(self._buckets)})")
+
+
+class RedisServingTable(Table):
+    """A read-only view of a RedisTable through the native TfdeRedisFind op
+    (backends/redis/): no Python at lookup time, so it can live in a
+    SavedModel (tfde.export_for_serving(rows="store")) and runs wherever
+    tfde's op library is loaded.  Reads the master (or the standalone
+    server); the graph holds servers and bucket names but never a password:
+    the serving process gives them in $TFDE_REDIS_PASSWORD and
+    $TFDE_REDIS_SENTINEL_PASSWORD."""
+
+    shared_between_workers = True
+    in_checkpoints = False
+
+    def __init__(self, table: RedisTable):
+        self.name, self.key_dtype, self.value_dtype, self.dim = table.name, table.key_dtype, table.value_dtype, table.dim
+        cfg = table.config
+        self._attrs = dict(
+            buckets=list(table._buckets), mode=cfg.redis_connection_mode,
+            servers=[f"{h}:{p}" for h, p in zip(cfg.redis_host_ip, cfg.redis_host_port)],
+            master_name=cfg.redis_master_name, db=cfg.redis_db, user=cfg.redis_user or "",
+            password_env="TFDE_REDIS_PASSWORD", sentinel_user=cfg.redis_sentinel_user or "",
+            sentinel_password_env="TFDE_REDIS_SENTINEL_PASSWORD", connect_timeout_ms=cfg.redis_connect_timeout,
+            socket_timeout_ms=cfg.redis_socket_timeout, retries=RETRIES)
+        self._ops = _native.load()
+
+    def find(self, keys, missing):
+        keys = as_keys(keys, self.key_dtype, self.name)
+        defaults, init = native_missing_args(missing, self)
+        return self._ops.tfde_redis_find(keys, defaults, dim=self.dim, **self._attrs, **init)
+
+    def _read_only(self, *args, **kwargs):
+        raise ConfigError(f"{self.name!r} is a read-only serving view of a Redis table; write through the "
+                          "training job's RedisTable")
+
+    insert = accum = remove = clear = size = export_chunk = _read_only
+
+    def __repr__(self):
+        return f"RedisServingTable({self.name!r}, {len(self._attrs['buckets'])} buckets)"
 
 
 class RedisTableCreator(TableCreator):

@@ -1,0 +1,89 @@
+// Pieces shared by tfde's TensorFlow op kernels (cuckoo tables, Redis
+// serving reads): value-type dispatch, the init attrs, and the rows a
+// missing key reads.  TensorFlow-dependent; the table cores are not.
+#ifndef TFDE_BACKENDS_CUCKOO_OP_SUPPORT_H_
+#define TFDE_BACKENDS_CUCKOO_OP_SUPPORT_H_
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "init_rows.h"
+#include "tensorflow/core/framework/bfloat16.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tfde {
+
+using ::tensorflow::DataType;
+using ::tensorflow::DataTypeString;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::Tensor;
+namespace errors = ::tensorflow::errors;
+
+// Runs `body` with V bound to the C++ type of `dtype`.
+template <class Body>
+::absl::Status WithValueType(DataType dtype, Body body) {
+  switch (dtype) {
+    case ::tensorflow::DT_FLOAT: body(float{}); return ::absl::OkStatus();
+    case ::tensorflow::DT_DOUBLE: body(double{}); return ::absl::OkStatus();
+    case ::tensorflow::DT_HALF: body(Eigen::half{}); return ::absl::OkStatus();
+    case ::tensorflow::DT_BFLOAT16: body(::tensorflow::bfloat16{}); return ::absl::OkStatus();
+    default:
+      return errors::InvalidArgument("tfde tables hold float32, float64, float16 or bfloat16 values, not ",
+                                     DataTypeString(dtype));
+  }
+}
+
+// Reads the init attrs shared by find and accum.
+inline ::absl::Status ReadInitSpec(OpKernelConstruction* ctx, InitSpec* spec) {
+  std::string kind;
+  float p0 = 0, p1 = 0;
+  int64_t seed = 0;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("init_kind", &kind));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("init_p0", &p0));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("init_p1", &p1));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("init_seed", &seed));
+  try {
+    spec->kind = ParseInitKind(kind);
+  } catch (const std::exception& e) {
+    return errors::InvalidArgument(e.what());
+  }
+  spec->p0 = p0;
+  spec->p1 = p1;
+  spec->seed = seed;
+  return ::absl::OkStatus();
+}
+
+// Source of a missing key's row: the `defaults` tensor ([n, dim] or [1, dim])
+// or the init spec.  Validated once; Fill is then safe for any i < n.
+struct MissingRows {
+  InitSpec spec;
+  const char* defaults = nullptr;  // set when spec.kind == kDefaults
+  bool broadcast = false;          // defaults is a single row
+
+  // `dim` and `what` (for messages) describe the store the rows are for.
+  ::absl::Status Prepare(const Tensor& t, int64_t n, int64_t dim, const std::string& what) {
+    if (spec.kind != InitKind::kDefaults) return ::absl::OkStatus();
+    const bool ok_shape = t.dims() == 2 && t.dim_size(1) == dim && (t.dim_size(0) == n || t.dim_size(0) == 1);
+    if (!ok_shape)
+      return errors::InvalidArgument("defaults must have shape [", n, ", ", dim, "] or [1, ", dim, "] for ", n,
+                                     " keys and a ", what, ", got ", t.shape().DebugString());
+    defaults = static_cast<const char*>(t.tensor_data().data());
+    broadcast = t.dim_size(0) == 1 && n != 1;
+    return ::absl::OkStatus();
+  }
+
+  template <class V>
+  void Fill(int64_t i, uint64_t hash, int64_t dim, char* out) const {
+    if (spec.kind == InitKind::kDefaults) {
+      std::memcpy(out, defaults + (broadcast ? 0 : i) * dim * sizeof(V), dim * sizeof(V));
+    } else {
+      FillInitialRow<V>(spec, hash, dim, reinterpret_cast<V*>(out));
+    }
+  }
+};
+
+}  // namespace tfde
+
+#endif  // TFDE_BACKENDS_CUCKOO_OP_SUPPORT_H_
