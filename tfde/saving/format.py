@@ -120,6 +120,11 @@ def chunk_crc(keys: np.ndarray, rows: np.ndarray) -> int:
 class ChunkWriter:
     """Where save_variable puts a Variable's chunks and meta."""
 
+    # Whether the meta must carry a CRC32 per chunk: False where the file
+    # format checksums every tensor itself (TF bundles: CRC32C, verified on
+    # every read).
+    wants_crc = True
+
     def write(self, stream: str, i: int, keys: tf.Tensor, rows: tf.Tensor) -> None:
         raise NotImplementedError
 
@@ -141,6 +146,8 @@ class ChunkReader:
 class BundleWriter(ChunkWriter):
     """Each chunk, and the meta, as its own V2 bundle at next_prefix();
     `prefixes` lists them for MergeV2Checkpoints."""
+
+    wants_crc = False
 
     def __init__(self, base: str, next_prefix):
         self.base, self._next, self.prefixes = base, next_prefix, []

@@ -241,7 +241,6 @@ def export_changes(model_or_variables, since: int, path: str) -> Dict:
             sm = meta.streams[stream]
             for keys, rows in chunks:
                 writer.write(stream, sm.chunks, keys, rows)
-                sm.crc32.append(fmt.chunk_crc(keys.numpy(), rows.numpy()))
                 sm.chunks += 1
                 sm.rows += int(tf.size(keys))
         writer.finish(meta)

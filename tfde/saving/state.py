@@ -73,7 +73,8 @@ def save_variable(var, writer: fmt.ChunkWriter) -> None:
                 if n == 0:
                     continue
                 writer.write(stream, sm.chunks, keys, rows)
-                sm.crc32.append(fmt.chunk_crc(keys.numpy(), rows.numpy()))
+                if writer.wants_crc:
+                    sm.crc32.append(fmt.chunk_crc(keys.numpy(), rows.numpy()))
                 sm.chunks += 1
                 sm.rows += n
             meta.streams[stream] = sm
