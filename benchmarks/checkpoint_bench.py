@@ -21,7 +21,7 @@ from benchmarks import table_bench
 MIB = 1 << 20
 
 
-def tfde_checkpoint(n: int, dim: int, directory: str) -> dict:
+def tfde_checkpoint(phase: str, n: int, dim: int, directory: str) -> dict:
     import tensorflow as tf
 
     import tfde
@@ -30,17 +30,16 @@ def tfde_checkpoint(n: int, dim: int, directory: str) -> dict:
     def make(name):
         return tfde.Variable(name, dim=dim, initializer=0.0)
 
-    return common.checkpoint_probe(tf, make, lambda v, k, r: v.upsert(k, r), lambda v: v.size(), n, dim,
+    return common.checkpoint_probe(tf, make, lambda v, k, r: v.upsert(k, r), lambda v: v.size(), phase, n, dim,
                                    directory)
 
 
 def measure(n: int, dim: int, with_tfra: bool = True) -> dict:
     out = {}
-    with tempfile.TemporaryDirectory() as d:
-        out["tfde"] = table_bench.run_tfde("checkpoint", n, dim, d)
-    if with_tfra:
-        with tempfile.TemporaryDirectory() as d:
-            out["tfra"] = table_bench.run_tfra("checkpoint", n, dim, d)
+    sides = [("tfde", table_bench.run_tfde)] + ([("tfra", table_bench.run_tfra)] if with_tfra else [])
+    for name, run in sides:
+        with tempfile.TemporaryDirectory() as d:  # save and restore each in a fresh process
+            out[name] = {**run("checkpoint", "save", n, dim, d), **run("checkpoint", "restore", n, dim, d)}
     return out
 
 

@@ -189,34 +189,36 @@ def peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def checkpoint_probe(tf, make, upsert, size, n: int, dim: int, directory: str, chunk: int = 1 << 18) -> dict:
-    """Saves a table of n rows of dim `dim` with tf.train.Checkpoint and
-    restores it into a fresh one (make() -> table object with upsert/size):
-    seconds and the memory each needs beyond what it holds (peak RSS over
-    the RSS before the save; for the restore, over the RSS after it)."""
+def checkpoint_probe(tf, make, upsert, size, phase: str, n: int, dim: int, directory: str,
+                     chunk: int = 1 << 18) -> dict:
+    """One phase of the checkpoint benchmark, in a fresh process each:
+    "save" fills a table (make(name) -> table) with n rows of dim `dim` and
+    writes it with tf.train.Checkpoint; "restore" reads it into a new table.
+    Seconds, and the memory each needs beyond what it holds: peak RSS over
+    the RSS before the save, or over the RSS after the restore."""
     var = make("ckpt")
-    rng = np.random.default_rng(0)
-    for start in range(0, n, chunk):
-        m = min(chunk, n - start)
-        upsert(var, tf.range(start, start + m, dtype=tf.int64),
-               tf.constant(rng.random((m, dim), dtype=np.float32)))
     ckpt = tf.train.Checkpoint(var=var)
+    prefix = os.path.join(directory, "ck")
+    if phase == "save":
+        rng = np.random.default_rng(0)
+        for start in range(0, n, chunk):
+            m = min(chunk, n - start)
+            upsert(var, tf.range(start, start + m, dtype=tf.int64),
+                   tf.constant(rng.random((m, dim), dtype=np.float32)))
+        before = rss_bytes()
+        reset_peak_rss()
+        t0 = time.perf_counter()
+        ckpt.write(prefix)
+        seconds = time.perf_counter() - t0
+        files = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+        return {"rows": n, "dim": dim, "save_s": seconds, "save_extra_bytes": peak_rss_bytes() - before,
+                "file_bytes": files}
     before = rss_bytes()
     reset_peak_rss()
     t0 = time.perf_counter()
-    path = ckpt.write(os.path.join(directory, "ck"))
-    save_s = time.perf_counter() - t0
-    save_extra = peak_rss_bytes() - before
-    files = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
-    fresh = make("ckpt_restored")  # another name: TFRA's get_variable returns the same table for a name
-    before = rss_bytes()
-    reset_peak_rss()
-    t0 = time.perf_counter()
-    tf.train.Checkpoint(var=fresh).read(path).expect_partial()
-    restored = int(size(fresh))
-    restore_s = time.perf_counter() - t0
-    restore_extra = peak_rss_bytes() - rss_bytes()
+    ckpt.read(prefix).expect_partial()
+    restored = int(size(var))
+    seconds = time.perf_counter() - t0
     assert restored == n, (restored, n)
-    return {"rows": n, "dim": dim, "save_s": save_s, "restore_s": restore_s, "file_bytes": files,
-            "table_bytes": rss_bytes() - before, "save_extra_bytes": save_extra,
-            "restore_extra_bytes": restore_extra}
+    return {"restore_s": seconds, "restore_extra_bytes": peak_rss_bytes() - rss_bytes(),
+            "table_bytes": rss_bytes() - before}

@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         if mode == "checkpoint":
             from benchmarks.checkpoint_bench import tfde_checkpoint
 
-            print(json.dumps(tfde_checkpoint(int(vals[0]), int(vals[1]), vals[2])))
+            print(json.dumps(tfde_checkpoint(vals[0], int(vals[1]), int(vals[2]), vals[3])))
             return 0
         fn = {"table": tfde_table, "memory": tfde_memory}[mode]
         print(json.dumps(fn(*(int(v) for v in vals))))

@@ -4,7 +4,7 @@ of its own venv (../shared/anchors/setup-tfra.sh; TF 2.16.2, tf-keras).
   TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py table N DIM BATCH
   TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py memory N DIM
   TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py e2e DATA.npz CONFIG.json
-  TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py checkpoint N DIM DIR
+  TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py checkpoint save|restore N DIM DIR
 
 Every mode prints one JSON line.  Inputs, timing and the op sequence come from
 benchmarks/common.py, the same code tfde's side runs; this file only maps each
@@ -71,12 +71,13 @@ def memory(n, dim):
     return {"rss_bytes_per_row": common.memory_probe(tf, var.upsert, n, dim)}
 
 
-def checkpoint(n, dim, directory):
+def checkpoint(phase, n, dim, directory):
     def make(name):
         return de.get_variable(name, key_dtype=tf.int64, value_dtype=tf.float32, dim=dim, initializer=0.0,
                                devices=["/CPU:0"])
 
-    return common.checkpoint_probe(tf, make, lambda v, k, r: v.upsert(k, r), lambda v: v.size(), n, dim, directory)
+    return common.checkpoint_probe(tf, make, lambda v, k, r: v.upsert(k, r), lambda v: v.size(), phase, n, dim,
+                                   directory)
 
 
 # ---------------------------------------------------------------- end to end
@@ -134,7 +135,7 @@ if __name__ == "__main__":
     elif mode == "memory":
         result = memory(*(int(a) for a in args))
     elif mode == "checkpoint":
-        result = checkpoint(int(args[0]), int(args[1]), args[2])
+        result = checkpoint(args[0], int(args[1]), int(args[2]), args[3])
     elif mode == "e2e":
         result = e2e(*args)
     else:
