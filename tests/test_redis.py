@@ -301,12 +301,7 @@ def test_close_sets_expiry_and_open_clears_it(tag):
 
 # ------------------------------------------------------------ checkpoints
 
-def test_table_store_mode_1_is_refused_clearly():
-    with pytest.raises(tfde.ConfigError, match="table_store_mode 1 .* is not supported yet; use 0"):
-        tfde.RedisTableCreator({"table_store_mode": 1})
-
-
-@pytest.mark.parametrize("mode", [0, 2])
+@pytest.mark.parametrize("mode", [0, 1, 2])
 def test_table_store_mode_in_checkpoints(tag, tmp_path, mode):
     creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "table_store_mode": mode,
                                       "model_lib_abs_dir": str(tmp_path / "lib")})
@@ -322,3 +317,12 @@ def test_table_store_mode_in_checkpoints(tag, tmp_path, mode):
     else:
         assert exists.numpy().tolist() == [True, True, False]
         assert rows.numpy().tolist()[:2] == [[1.0, 1.0], [2.0, 2.0]]
+    names = [n for n, _ in tf.train.list_variables(path)]
+    dumps = list((tmp_path / "lib" / tag).glob("*.index"))
+    if mode == 1:  # the rows went to a dump in model_lib_abs_dir/model_tag_runtime, not the checkpoint
+        assert len(dumps) == 1 and not any("/rows/" in n for n in names), (dumps, names)
+        dumps[0].unlink()
+        with pytest.raises(tfde.CheckpointError, match="keeps the rows of 'store' in .*which is missing"):
+            tf.train.Checkpoint(var=var).restore(path)
+    else:
+        assert not dumps and any("/rows/" in n for n in names) == (mode == 0)

@@ -251,3 +251,19 @@ def test_fresh_process_loads_without_importing_tfde_keras_first(tmp_path, tag):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["DynamicEmbeddingMixin", "6"], out.stdout
+
+
+@pytest.mark.parametrize("key_dtype,value_dtype", [(tf.int32, tf.float16), (tf.string, tf.bfloat16),
+                                                   (tf.int64, tf.float64)], ids=lambda d: d.name)
+def test_every_dtype_round_trips_into_another_shard_count(tmp_path, key_dtype, value_dtype):
+    keys = (tf.constant([f"k{i}" for i in range(300)]) if key_dtype == tf.string
+            else tf.range(300, dtype=key_dtype) * 7)
+    var = tfde.Variable("dtypes", key_dtype=key_dtype, value_dtype=value_dtype, dim=3, initializer=0.0,
+                        num_shards=3)
+    var.upsert(keys, tf.cast(tf.random.stateless_normal([300, 3], seed=[4, 2]), value_dtype))
+    path = tf.train.Checkpoint(var=var).save(str(tmp_path / "ck"))
+    fresh = tfde.Variable("dtypes", key_dtype=key_dtype, value_dtype=value_dtype, dim=3, initializer=0.0,
+                          num_shards=2)  # keys are routed again on restore
+    tf.train.Checkpoint(var=fresh).restore(path)
+    assert int(fresh.size()) == 300
+    np.testing.assert_array_equal(fresh.lookup(keys).numpy(), var.lookup(keys).numpy())

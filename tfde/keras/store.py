@@ -22,6 +22,8 @@ META = "tfde.meta"
 
 
 class StoreWriter(fmt.ChunkWriter):
+    base = "_tfde/layer"  # the name of its streams in an external bundle (Redis table_store_mode 1)
+
     def __init__(self, store):
         self.store = store
 
@@ -39,6 +41,8 @@ class StoreWriter(fmt.ChunkWriter):
 
 
 class StoreReader(fmt.ChunkReader):
+    base = StoreWriter.base
+
     def __init__(self, store, where: str):
         self.store, self.where = store, where
 

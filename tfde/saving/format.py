@@ -68,6 +68,7 @@ class VariableMeta:
     worker: int = 0
     workers: int = 1
     sharded: bool = False
+    external: Optional[str] = None  # bundle prefix holding the streams, when not this file
     format: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -124,6 +125,7 @@ class ChunkWriter:
     # format checksums every tensor itself (TF bundles: CRC32C, verified on
     # every read).
     wants_crc = True
+    base = ""  # the Variable's name inside the file
 
     def write(self, stream: str, i: int, keys: tf.Tensor, rows: tf.Tensor) -> None:
         raise NotImplementedError
@@ -133,8 +135,10 @@ class ChunkWriter:
 
 
 class ChunkReader:
-    """Where restore_variable reads them; `where` names the file in errors."""
+    """Where restore_variable reads them; `where` names the file in errors,
+    `base` the Variable's name inside it."""
     where: str
+    base: str = ""
 
     def meta(self) -> Optional[VariableMeta]:
         raise NotImplementedError

@@ -36,8 +36,9 @@ SERVING_INFO = "tfde_serving.json"  # in the SavedModel's assets.extra/
 
 
 class _ServingTable(CuckooTable):
-    """A cuckoo table whose whole content goes into the SavedModel (restored
-    by TensorFlow's own loader through the traced save/restore functions)."""
+    """A cuckoo table whose whole content goes into the SavedModel as two
+    tensors (restored by TensorFlow's own loader through the traced
+    save/restore functions, so no Python of tfde is needed to load it)."""
 
     def _serialize_to_tensors(self):
         keys, values, _ = self._ops.tfde_table_export(

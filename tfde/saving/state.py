@@ -12,7 +12,10 @@ writer's bundle).
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Dict, Sequence, Tuple
+import os
+import re
+import uuid
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -49,6 +52,12 @@ def in_checkpoints(var) -> bool:
     return all(getattr(t, "in_checkpoints", True) for t in var.tables)
 
 
+def files_dir(var) -> Optional[str]:
+    """Where the rows go instead of the checkpoint (Redis table_store_mode 1:
+    model_lib_abs_dir/model_tag_runtime), or None."""
+    return getattr(var.tables[0], "files_dir", None)
+
+
 def _owned(keys, rows, rank, size):
     if size <= 1:
         return keys, rows
@@ -57,11 +66,18 @@ def _owned(keys, rows, rank, size):
 
 
 def save_variable(var, writer: fmt.ChunkWriter) -> None:
-    """Writes `var`'s streams in chunks to `writer`, then its meta."""
+    """Writes `var`'s streams in chunks to `writer`, then its meta.  With a
+    files_dir, the streams go to a bundle of their own there (named in the
+    meta as `external`, one per save, so every checkpoint keeps its dump)."""
     rank, size = worker_of(var)
     shared = var.tables[0].shared_between_workers
     meta = fmt.VariableMeta(var.name, var.key_dtype.name, {}, worker=rank, workers=size,
                             sharded=size > 1 and not shared)
+    meta_writer, external = writer, files_dir(var)
+    if external is not None:
+        os.makedirs(external, exist_ok=True)
+        meta.external = os.path.join(external, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', var.name)}-{uuid.uuid4().hex}")
+        writer = fmt.BundleWriter(writer.base, prefix_counter(f"{meta.external}_temp/part"))
     if in_checkpoints(var):
         for stream, v in streams(var).items():
             initial = None if stream == "rows" else float(v.initializer.p0)
@@ -78,7 +94,11 @@ def save_variable(var, writer: fmt.ChunkWriter) -> None:
                 sm.chunks += 1
                 sm.rows += n
             meta.streams[stream] = sm
-    writer.finish(meta)
+    if external is not None:
+        writer.finish(meta)
+        tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=tf.stack(writer.prefixes),
+                                      destination_prefix=meta.external, delete_old_dirs=True)
+    meta_writer.finish(meta)
 
 
 def _check_compatible(var, meta: fmt.VariableMeta, where: str) -> None:
@@ -116,6 +136,11 @@ def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
     for reader in readers:
         meta = reader.meta()
         if meta is not None:
+            if meta.external:  # the rows are in a dump of their own (table_store_mode 1)
+                if not os.path.exists(meta.external + ".index"):
+                    raise CheckpointError(f"{reader.where} keeps the rows of {meta.variable!r} in {meta.external}, "
+                                          "which is missing; it was deleted or model_lib_abs_dir moved")
+                reader = fmt.BundleReader(meta.external, reader.base, where=meta.external)
             _check_compatible(var, meta, reader.where)
             metas.append((reader, reader.where, meta))
     if not metas:

@@ -104,22 +104,9 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
             self.resource_handle, tf.cast(cursor, tf.int64), tf.cast(max_rows, tf.int64),
             dim=self.dim, Tkey=self.key_dtype, Tvalue=self.value_dtype)
 
-    # -------------------------------------------------------- checkpoints
-    # tf.train.Checkpoint saves a table as two tensors, all its keys and all
-    # its rows, and restores by clearing it and inserting them.  (One export
-    # of the whole table: streaming to files in bounded chunks is not done
-    # here yet.)
-
-    def _serialize_to_tensors(self):
-        keys, values, _ = self._ops.tfde_table_export(
-            self.resource_handle, tf.constant(0, tf.int64), tf.constant(2 ** 62, tf.int64),
-            dim=self.dim, Tkey=self.key_dtype, Tvalue=self.value_dtype)
-        return {"keys": keys, "values": values}
-
-    def _restore_from_tensors(self, restored_tensors):
-        cleared = self.clear()
-        with tf.control_dependencies([cleared] if cleared is not None else []):
-            return self.insert(restored_tensors["keys"], restored_tensors["values"])
+    # Checkpoints save Variables, not tables: a Variable streams all its
+    # tables (tfde/saving).  Serving exports embed whole tables
+    # (tfde/saving/serving.py).
 
     def __repr__(self):
         return f"CuckooTable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}])"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -155,11 +156,10 @@ def _connect(cfg: RedisTableConfig):
 class RedisTable(Table, trackable_base.Trackable):
     """A table stored in Redis hashes (see the module docstring for the layout).
 
-    Checkpoints (tf.train.Checkpoint) follow table_store_mode: 0 puts every
-    key and row into the checkpoint; 2 puts nothing in: Redis is the source
-    of truth.  1 (dumps to files in model_lib_abs_dir) is refused for now:
-    TensorFlow also serializes objects while restoring, so a dump there
-    would rewrite the files on every restore.
+    Checkpoints (tfde/saving) follow table_store_mode: 0 puts every key and
+    row into the checkpoint; 1 dumps them to a bundle of their own in
+    model_lib_abs_dir/model_tag_runtime (one per save, named in the
+    checkpoint); 2 puts nothing in: Redis is the source of truth.
 
     Thread-safety: every method may be called from several threads; each
     command is atomic on the server, accum is atomic per key (Lua)."""
@@ -555,6 +555,14 @@ class RedisTable(Table, trackable_base.Trackable):
         return keys, self._bytes_to_rows(raw), nxt
 
     @property
+    def files_dir(self):
+        """table_store_mode 1: where checkpoints dump the rows instead
+        (model_lib_abs_dir/model_tag_runtime), else None."""
+        if self.config.table_store_mode != 1:
+            return None
+        return os.path.join(self.config.model_lib_abs_dir, self.config.model_tag_runtime)
+
+    @property
     def in_checkpoints(self) -> bool:
         """Whether checkpoints hold this table's rows: table_store_mode 0
         (yes) or 2 (no: Redis is the source of truth)."""
@@ -615,9 +623,6 @@ class RedisTableCreator(TableCreator):
 
     def __init__(self, config=None):
         self.config = RedisTableConfig.load(config)
-        if self.config.table_store_mode == 1:
-            raise ConfigError("table_store_mode 1 (rows dumped to files in model_lib_abs_dir) is not supported "
-                              "yet; use 0 (rows saved in TF checkpoints) or 2 (Redis is the source of truth)")
         self._clients = None
         self.tables = []
 
