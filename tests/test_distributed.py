@@ -110,7 +110,8 @@ def test_mirrored_strategy_on_one_cpu_trains_like_no_strategy():
     np.testing.assert_allclose(rows, expected_rows, rtol=1e-6, atol=1e-7)
 
 
-RESHARD_CASES = [("fit", "adam", "cuckoo"), ("fit", "sgd", "redis")] if LEGACY else [("loop", "adam", "cuckoo"), ("loop", "sgd", "redis")]
+RESHARD_CASES = [("fit", "adam", "cuckoo"), ("fit", "sgd", "redis")] if LEGACY else \
+    [("loop", "adam", "cuckoo"), ("loop", "sgd", "redis")]
 
 
 @pytest.mark.keras
