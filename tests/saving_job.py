@@ -3,9 +3,11 @@
   python tests/saving_job.py save-forever DIR KIND    (KIND: tfde | tf)
       fills a 400K-row table, saves it (prints "saved 1"), changes every
       row, then saves again and again (prints "saving N") until killed.
-  python tests/saving_job.py continue DIR OUT.npz
-      restores the latest tfde checkpoint in DIR into a fresh model, trains
-      10 steps and writes saving_model.snapshot() to OUT.npz.
+  python tests/saving_job.py continue DIR OUT.npz KIND BACKEND TAG
+      restores the latest checkpoint in DIR (KIND tfde: tfde.CheckpointManager,
+      tf: tf.train.CheckpointManager) into a fresh model on BACKEND (cuckoo,
+      or redis under model tag TAG), trains 10 steps and writes
+      saving_model.snapshot() to OUT.npz.
 """
 
 import os
@@ -45,12 +47,16 @@ def save_forever(directory, kind):
         step += 1
 
 
-def continue_training(directory, out):
+def continue_training(directory, out, kind, backend, tag):
     sys.path.insert(0, os.path.dirname(__file__))
     from saving_model import build, snapshot, train
 
-    model = build("cuckoo", None)
-    assert tfde.saving.CheckpointManager(directory, model=model, optimizer=model.optimizer).restore()
+    model = build(backend, tag if backend == "redis" else None)
+    if kind == "tfde":
+        assert tfde.saving.CheckpointManager(directory, model=model, optimizer=model.optimizer).restore()
+    else:
+        latest = tf.train.latest_checkpoint(directory)
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(latest).expect_partial()
     train(model, 1, steps=10)
     np.savez(out, **snapshot(model))
 
@@ -60,6 +66,6 @@ if __name__ == "__main__":
     if mode == "save-forever":
         save_forever(sys.argv[2], sys.argv[3])
     elif mode == "continue":
-        continue_training(sys.argv[2], sys.argv[3])
+        continue_training(*sys.argv[2:7])
     else:
         raise SystemExit(f"unknown mode {mode!r}")

@@ -8,14 +8,13 @@ save/restore.  Bad files give a CheckpointError naming the file."""
 
 import glob
 import os
-import uuid
 
 import numpy as np
 import pytest
-import redis
 import tensorflow as tf
 
 import tfde
+from distributed_check import redis_tag
 from saving_model import K, assert_same, build, creator_for, layer, snapshot, train
 
 pytestmark = pytest.mark.keras
@@ -23,12 +22,8 @@ pytestmark = pytest.mark.keras
 
 @pytest.fixture
 def tag():
-    t = f"tfde-save-{uuid.uuid4().hex[:12]}"
-    yield t
-    client = redis.Redis()
-    stale = list(client.scan_iter(match=f"{t}:*"))
-    if stale:
-        client.delete(*stale)
+    with redis_tag() as t:
+        yield t
 
 
 def save(model, kind, path):

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tfde
+from distributed_check import redis_tag
 from saving_model import KEYS, assert_same, build, data, layer, snapshot, train
 
 JOB = Path(__file__).with_name("saving_job.py")
@@ -66,18 +67,29 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, kind):
     np.testing.assert_array_equal(var.lookup(keys).numpy(), np.ones([4, 32], np.float32))  # the first version
 
 
-def test_a_fresh_process_continues_training_exactly(tmp_path):
-    model = build("cuckoo", None)
-    train(model, 0, epochs=2)
-    tfde.saving.CheckpointManager(str(tmp_path / "ck"), model=model, optimizer=model.optimizer).save()
-    train(model, 1, steps=10)
-    expected = snapshot(model)
-    out = tmp_path / "continued.npz"
-    proc = subprocess.run([sys.executable, str(JOB), "continue", str(tmp_path / "ck"), str(out)],
-                          capture_output=True, text=True, env=ENV, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert expected["iterations"] == 22
-    assert_same(dict(np.load(out)), expected)
+@pytest.mark.parametrize("kind,backend", [("tfde", "cuckoo"), ("tf", "cuckoo"), ("tf", "redis")])
+def test_a_fresh_process_continues_training_exactly(tmp_path, kind, backend):
+    """Save after 12 steps; train 10 more here; a fresh process restores and
+    trains the same 10 steps: the same rows, slots, policy state, dense
+    weights, step and predictions.  (Redis: table_store_mode 0, the rows in
+    the checkpoint; the restore puts them back into the shared tables.)"""
+    with redis_tag() as tag:
+        model = build(backend, tag)
+        train(model, 0, epochs=2)
+        directory = str(tmp_path / "ck")
+        if kind == "tfde":
+            tfde.saving.CheckpointManager(directory, model=model, optimizer=model.optimizer).save()
+        else:
+            tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=model.optimizer), directory,
+                                       max_to_keep=1).save()
+        train(model, 1, steps=10)
+        expected = snapshot(model)
+        out = tmp_path / "continued.npz"
+        proc = subprocess.run([sys.executable, str(JOB), "continue", directory, str(out), kind, backend, tag],
+                              capture_output=True, text=True, env=ENV, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert expected["iterations"] == 22
+        assert_same(dict(np.load(out)), expected)
 
 
 # ------------------------------------------------------------ serving
@@ -168,14 +180,9 @@ assert "tfde" not in sys.modules, "the serving process imported tfde"
 def test_serving_export_can_keep_reading_redis(tmp_path):
     """rows="store": the SavedModel reads the Redis tables live (native op,
     no Python): it answers like the model, and sees rows written later."""
-    import uuid
-
-    import redis
-
     from tfde import _native
 
-    tag = f"tfde-serve-{uuid.uuid4().hex[:10]}"
-    try:
+    with redis_tag() as tag:
         model = build("redis", tag)
         train(model, 0, epochs=2)
         summary = tfde.export_for_serving(model, str(tmp_path / "serving"), rows="store")
@@ -199,8 +206,3 @@ def test_serving_export_can_keep_reading_redis(tmp_path):
         second = serve("second.npz")
         np.testing.assert_array_equal(second["items"][:5], np.full([5, 4], 7.5, np.float32))
         np.testing.assert_array_equal(second["items"], var.lookup(tf.constant(KEYS)).numpy())
-    finally:
-        client = redis.Redis()
-        stale = list(client.scan_iter(match=f"{tag}:*"))
-        if stale:
-            client.delete(*stale)

@@ -21,6 +21,8 @@ using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::Tensor;
 namespace errors = ::tensorflow::errors;
 
+constexpr int64_t kMaxDim = 1 << 16;  // widest row a table accepts
+
 // Runs `body` with V bound to the C++ type of `dtype`.
 template <class Body>
 ::absl::Status WithValueType(DataType dtype, Body body) {

@@ -33,8 +33,6 @@ using ::tensorflow::tstring;
 namespace errors = ::tensorflow::errors;
 namespace shape_inference = ::tensorflow::shape_inference;
 
-constexpr int64_t kMaxDim = 1 << 16;  // widest row a table accepts
-
 // ---------------------------------------------------------------- resource
 
 // A table as TF sees it: dtypes and dim fixed at creation.

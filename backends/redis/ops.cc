@@ -27,8 +27,6 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::TensorShape;
 using ::tensorflow::tstring;
 
-constexpr int64_t kMaxDim = 1 << 16;
-
 // The Redis field of a key: int keys as their little-endian bytes (8 for
 // int64, 4 for int32), string keys as their bytes.
 template <class TK>
