@@ -139,20 +139,28 @@ def test_table_opened_with_another_dim_is_refused(tag):
     assert again.find(tf.constant([1], tf.int64), tf.zeros([1, 4]))[1].numpy().tolist() == [True]
 
 
-def test_lookup_is_one_round_trip(tag, monkeypatch):
-    creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 4, "keys_sending_size": 1024})
+def test_lookup_is_one_pipelined_hmget_per_bucket_chunk():
+    """A 4096-key lookup over 4 buckets with keys_sending_size 1024 sends at
+    most 8 HMGETs (one per bucket and chunk of keys), pipelined over one
+    connection: counted by a private server's own statistics."""
+    port = redis_servers.standalone()
+    creator = tfde.RedisTableCreator({"redis_host_port": port, "model_tag_runtime": "rt", "storage_slice": 4,
+                                      "keys_sending_size": 1024})
     t = creator.create("rt", tf.int64, tf.float32, 8)
     t.insert(tf.range(4096, dtype=tf.int64), tf.ones([4096, 8]))
-    calls = []
-    original = redis.client.Pipeline.execute
+    t.find(tf.range(4, dtype=tf.int64), tf.zeros([1, 8]))  # the find op connects once
+    client = redis.Redis(port=port)
 
-    def counting(self, *a, **k):
-        calls.append(len(self.command_stack))
-        return original(self, *a, **k)
+    def stats():
+        hmget = client.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0)
+        return hmget, client.info("stats")["total_connections_received"]
 
-    monkeypatch.setattr(redis.client.Pipeline, "execute", counting)
+    hmget, connections = stats()
     values, exists = t.find(tf.range(4096, dtype=tf.int64), tf.zeros([1, 8]))
-    assert bool(tf.reduce_all(exists)) and len(calls) == 1 and calls[0] <= 4 + 4  # <= 2 chunks per bucket
+    hmget2, connections2 = stats()
+    assert bool(tf.reduce_all(exists))
+    assert 4 <= hmget2 - hmget <= 4 + 4  # <= 2 chunks per bucket
+    assert connections2 == connections  # no new connection: the lookup reused the one its op holds
 
 
 def test_layout_is_readable_by_other_programs(tag):

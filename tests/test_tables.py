@@ -357,7 +357,8 @@ def test_redis_serving_view_names_an_unreachable_server():
         view = RedisServingTable(table)
         view._attrs.update(servers=["127.0.0.1:1"], retries=1, connect_timeout_ms=200)
         with pytest.raises(tf.errors.UnavailableError,
-                           match=r"server 127\.0\.0\.1:1\) failed after 2 attempts: cannot connect"):
+                           match=r"find of table 'serving_down': Redis \(server 127\.0\.0\.1:1\) unreachable "
+                                 r"after 2 attempts: cannot connect"):
             view.find(tf.constant([1], tf.int64), INIT)
     finally:
         backend.cleanup()

@@ -1,12 +1,13 @@
-// A small blocking Redis client (RESP2 over TCP) for tfde's serving reads:
-// HMGET of table buckets from a standalone server, the master a set of
-// sentinels names, or the nodes of a cluster.  No TensorFlow includes.
+// A small blocking Redis client (RESP2 over TCP) for tfde's native Redis
+// ops: pipelines of HMGET / HSET on table buckets of a standalone server, the
+// master a set of sentinels names, or the nodes of a cluster.  No TensorFlow
+// includes.
 //
-// Only what a read-only lookup needs: AUTH, SELECT, HMGET, CLUSTER SLOTS,
-// SENTINEL get-master-addr-by-name.  Commands for one node are pipelined
-// (sent together, replies read in order).
+// Only what the ops need: AUTH, SELECT, CLUSTER SLOTS, SENTINEL
+// get-master-addr-by-name, and the idempotent commands they pipeline.
+// Commands for one node are sent together and their replies read in order.
 //
-// Thread-safety: a Reader may be used from several threads; calls are
+// Thread-safety: a Client may be used from several threads; calls are
 // serialized by its mutex (one connection per node).
 #ifndef TFDE_BACKENDS_REDIS_RESP_CLIENT_H_
 #define TFDE_BACKENDS_REDIS_RESP_CLIENT_H_
@@ -287,16 +288,25 @@ struct Config {
   int retries = 4;
 };
 
-// Reads hash fields from the servers of a Config, reconnecting and retrying
-// (with backoff) when a connection breaks.
-class Reader {
- public:
-  explicit Reader(Config config) : config_(std::move(config)) {}
+// One command of a pipeline: `key` (a Redis key the command touches) routes
+// it to its cluster node; `args` is the whole command (args[0] its name).
+struct Command {
+  std::string_view key;
+  std::vector<std::string_view> args;
+};
 
-  // For every bucket b (a Redis hash key) reads fields[b] with one HMGET;
-  // deliver(b, j, value) gets each field's value (nullptr when absent).
-  void HMGet(const std::vector<std::string>& buckets, const std::vector<std::vector<std::string_view>>& fields,
-             const std::function<void(size_t, size_t, const std::string*)>& deliver) {
+// Runs pipelines of idempotent commands (HMGET, HSET) against the servers of
+// a Config, reconnecting and retrying (with backoff) when a connection breaks
+// or a cluster slot moves.
+class Client {
+ public:
+  explicit Client(Config config) : config_(std::move(config)) {}
+
+  // Sends `commands` (pipelined per node) and passes each reply to
+  // deliver(i, reply) in command order per node.  On a retry every command
+  // runs again (so deliver may see a command twice; the last call counts).
+  // An error reply throws a non-transient Error naming the server.
+  void Pipeline(const std::vector<Command>& commands, const std::function<void(size_t, const Reply&)>& deliver) {
     std::lock_guard<std::mutex> lock(mu_);
     std::string last;
     for (int attempt = 0; attempt <= config_.retries; ++attempt) {
@@ -305,7 +315,7 @@ class Reader {
         std::this_thread::sleep_for(std::chrono::milliseconds(ms));
       }
       try {
-        if (TryHMGet(buckets, fields, deliver)) return;
+        if (TryPipeline(commands, deliver)) return;
         last = "the cluster moved a slot";
       } catch (const Error& e) {
         if (!e.transient()) throw;
@@ -314,7 +324,7 @@ class Reader {
         discovered_ = false;
       }
     }
-    throw Error("reading from Redis (" + Describe() + ") failed after " + std::to_string(config_.retries + 1) +
+    throw Error("Redis (" + Describe() + ") unreachable after " + std::to_string(config_.retries + 1) +
                     " attempts: " + last,
                 true);
   }
@@ -327,37 +337,28 @@ class Reader {
   }
 
  private:
-  // false: a MOVED reply (the slot map changed); the caller retries.
-  bool TryHMGet(const std::vector<std::string>& buckets, const std::vector<std::vector<std::string_view>>& fields,
-                const std::function<void(size_t, size_t, const std::string*)>& deliver) {
+  // false: a MOVED/ASK reply (the slot map changed); the caller retries.
+  bool TryPipeline(const std::vector<Command>& commands, const std::function<void(size_t, const Reply&)>& deliver) {
     Discover();
     std::map<std::string, std::vector<size_t>> by_node;
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      if (!fields[b].empty()) by_node[NodeOf(buckets[b])].push_back(b);
-    }
+    for (size_t i = 0; i < commands.size(); ++i) by_node[NodeOf(commands[i].key)].push_back(i);
     for (const auto& [node, list] : by_node) {
       Connection& c = ConnectionTo(node);
-      for (size_t b : list) {
-        std::vector<std::string_view> args{"HMGET", buckets[b]};
-        args.insert(args.end(), fields[b].begin(), fields[b].end());
-        c.Append(args);
-      }
+      for (size_t i : list) c.Append(commands[i].args);
       c.Flush();
       bool moved = false;
-      for (size_t b : list) {  // read every reply, even after a MOVED, to keep the stream in step
+      for (size_t i : list) {  // read every reply, even after a MOVED, to keep the stream in step
         Reply r = c.Read();
         if (r.type == Reply::kError) {
           if (r.str.rfind("MOVED", 0) == 0 || r.str.rfind("ASK", 0) == 0) {
             moved = true;
             continue;
           }
-          throw Error(c.Address() + " answered HMGET " + buckets[b] + ": " + r.str, false);
+          throw Error(c.Address() + " answered " + std::string(commands[i].args[0]) + " " +
+                          std::string(commands[i].key) + ": " + r.str,
+                      false);
         }
-        if (r.type != Reply::kArray || r.elements.size() != fields[b].size())
-          throw Error(c.Address() + " sent a malformed HMGET reply for " + buckets[b], true);
-        if (moved) continue;
-        for (size_t j = 0; j < r.elements.size(); ++j)
-          deliver(b, j, r.elements[j].type == Reply::kBulk ? &r.elements[j].str : nullptr);
+        if (!moved) deliver(i, r);
       }
       if (moved) {
         discovered_ = false;
@@ -367,8 +368,8 @@ class Reader {
     return true;
   }
 
-  std::string NodeOf(const std::string& bucket) const {
-    return config_.mode == 0 ? slot_nodes_[KeySlot(bucket)] : master_;
+  std::string NodeOf(std::string_view key) const {
+    return config_.mode == 0 ? slot_nodes_[KeySlot(key)] : master_;
   }
 
   Connection& ConnectionTo(const std::string& node) {

@@ -15,10 +15,13 @@ Layout (documented in the README so other programs can read it):
     {format, key_dtype, value_dtype, dim, storage_slice, hash}, written when
     the table is created and checked when it is opened again.
 
-Calls from TensorFlow graphs go through tf.numpy_function (stateful), so the
-tables work eagerly, in tf.function and under model.fit, in the process that
-created them.  A find of n keys costs one pipelined round trip for all its
-buckets; writes are pipelined in chunks of keys_sending_size keys.
+Lookups and upserts run in native ops (backends/redis/: TfdeRedisFind,
+TfdeRedisInsert, pipelining HMGET / HSET per node in chunks of
+keys_sending_size keys, retrying with backoff); the other operations (accum
+through a Lua script, remove, clear, size, export) and reads from replicas go
+through redis-py inside tf.numpy_function (stateful).  Either way the tables
+work eagerly, in tf.function and under model.fit, in the process that
+created them.  A find of n keys costs one pipelined round trip per server.
 """
 
 from __future__ import annotations
@@ -153,6 +156,23 @@ def _connect(cfg: RedisTableConfig):
     return client, client
 
 
+def native_attrs(cfg: RedisTableConfig, buckets, table_name: str, credentials: str = "") -> dict:
+    """Attrs of the native Redis ops (backends/redis/ops.cc) for a table.
+    Passwords are never attrs: `credentials` names the ones registered in
+    this process (RedisTableCreator); without it the ops read
+    $TFDE_REDIS_PASSWORD and $TFDE_REDIS_SENTINEL_PASSWORD."""
+    env = not credentials
+    return dict(buckets=list(buckets), table_name=table_name, chunk=cfg.keys_sending_size,
+                mode=cfg.redis_connection_mode,
+                servers=[f"{h}:{p}" for h, p in zip(cfg.redis_host_ip, cfg.redis_host_port)],
+                master_name=cfg.redis_master_name, db=cfg.redis_db, user=cfg.redis_user or "",
+                credentials=credentials, password_env="TFDE_REDIS_PASSWORD" if env else "",
+                sentinel_user=cfg.redis_sentinel_user or "",
+                sentinel_password_env="TFDE_REDIS_SENTINEL_PASSWORD" if env else "",
+                connect_timeout_ms=cfg.redis_connect_timeout, socket_timeout_ms=cfg.redis_socket_timeout,
+                retries=RETRIES)
+
+
 class RedisTable(Table, trackable_base.Trackable):
     """A table stored in Redis hashes (see the module docstring for the layout).
 
@@ -166,7 +186,8 @@ class RedisTable(Table, trackable_base.Trackable):
 
     shared_between_workers = True  # every worker of a job reads and writes the same Redis tables
 
-    def __init__(self, name, key_dtype, value_dtype, dim, config: RedisTableConfig, clients=None):
+    def __init__(self, name, key_dtype, value_dtype, dim, config: RedisTableConfig, clients=None,
+                 credentials: str = ""):
         self.key_dtype, self.value_dtype, self.dim = check_dtypes(key_dtype, value_dtype, dim)
         self.name = name
         self.config = config
@@ -182,6 +203,11 @@ class RedisTable(Table, trackable_base.Trackable):
         self._row_bytes = dim * self._itemsize
         self._key_width = {tf.int64: 8, tf.int32: 4}.get(self.key_dtype)
         self._accum_script = self._client.register_script(_ACCUM_LUA)
+        # Lookups and upserts run in the native ops (no Python per call);
+        # reads from replicas (redis_read_access_slave) go through redis-py.
+        self._ops = _native.load()
+        self._attrs = native_attrs(config, self._buckets, name, credentials)
+        self._native_reads = not config.redis_read_access_slave
         with tf.init_scope():  # made once: an eager op costs ~0.1 ms per call
             self._no_hashes = tf.zeros([0], tf.int64)
             self._no_defaults = tf.zeros([0, dim], self.value_dtype)
@@ -363,28 +389,6 @@ class RedisTable(Table, trackable_base.Trackable):
             out[hit] = np.frombuffer(joined, np.uint8).reshape(len(found), rb)
             exists[hit] = True
 
-    def _np_insert(self, keys, hashes, rows):
-        if len(keys) == 0:
-            return np.int64(0)
-        rows = np.ascontiguousarray(rows).view(np.uint8).reshape(len(keys), self._row_bytes)
-        fields = self._fields(keys)
-        plan = list(self._plan(self._hashes(keys, hashes)))
-
-        rb = self._row_bytes
-        payloads = []
-        for b, chunk in plan:
-            raw = rows[chunk].tobytes()
-            payloads.append((self._buckets[b], {fields[i]: raw[j * rb:(j + 1) * rb] for j, i in enumerate(chunk)}))
-
-        def run():
-            pipe = self._client.pipeline(transaction=False)
-            for name, mapping in payloads:
-                pipe.hset(name, mapping=mapping)
-            return pipe.execute()
-
-        self._call("insert", run)
-        return np.int64(len(keys))
-
     def _np_accum(self, keys, hashes, deltas, init):
         if len(keys) == 0:
             return np.int64(0)
@@ -504,8 +508,29 @@ class RedisTable(Table, trackable_base.Trackable):
         # String keys are hashed by the native op; int keys in the callback.
         return stable_hash(keys) if self._key_width is None else self._no_hashes
 
+    def _native_call(self, what: str, fn):
+        """fn() (a native op); eagerly, its errors become tfde errors naming
+        the servers, the operation and the table (in graphs TensorFlow's
+        Unavailable / FailedPrecondition errors carry the same facts)."""
+        if not tf.executing_eagerly():
+            return fn()
+        try:
+            return fn()
+        except tf.errors.UnavailableError as e:
+            detail = e.message.split("attempts: ", 1)[-1].split(" [Op:")[0]
+            raise BackendUnavailableError(
+                f"Redis at {self.config.describe_servers()} unreachable during {what} of table {self.name!r} after "
+                f"{RETRIES + 1} attempts: {detail}") from None
+        except tf.errors.FailedPreconditionError as e:
+            raise BackendUnavailableError(f"Redis at {self.config.describe_servers()} answered an error during "
+                                          f"{what} of table {self.name!r}: {e.message.split(' [Op:')[0]}") from None
+
     def find(self, keys, missing):
         keys = as_keys(keys, self.key_dtype, self.name)
+        if self._native_reads:
+            defaults, init = native_missing_args(missing, self)
+            return self._native_call("find", lambda: self._ops.tfde_redis_find(
+                keys, defaults, dim=self.dim, **self._attrs, **init))
         if isinstance(missing, InitSpec):
             defaults = self._no_defaults
         else:
@@ -522,8 +547,8 @@ class RedisTable(Table, trackable_base.Trackable):
     def insert(self, keys, values):
         keys = as_keys(keys, self.key_dtype, self.name)
         values = as_rows(values, self.value_dtype, self.dim, self.name)
-        return tf.numpy_function(self._np_insert, [keys, self._hash_arg(keys), values],
-                                 tf.int64, stateful=True, name="tfde_redis_insert")
+        return self._native_call("insert", lambda: self._ops.tfde_redis_insert(keys, values, dim=self.dim,
+                                                                                **self._attrs))
 
     def accum(self, keys, deltas, missing):
         keys = as_keys(keys, self.key_dtype, self.name)
@@ -591,14 +616,7 @@ class RedisServingTable(Table):
 
     def __init__(self, table: RedisTable):
         self.name, self.key_dtype, self.value_dtype, self.dim = table.name, table.key_dtype, table.value_dtype, table.dim
-        cfg = table.config
-        self._attrs = dict(
-            buckets=list(table._buckets), mode=cfg.redis_connection_mode,
-            servers=[f"{h}:{p}" for h, p in zip(cfg.redis_host_ip, cfg.redis_host_port)],
-            master_name=cfg.redis_master_name, db=cfg.redis_db, user=cfg.redis_user or "",
-            password_env="TFDE_REDIS_PASSWORD", sentinel_user=cfg.redis_sentinel_user or "",
-            sentinel_password_env="TFDE_REDIS_SENTINEL_PASSWORD", connect_timeout_ms=cfg.redis_connect_timeout,
-            socket_timeout_ms=cfg.redis_socket_timeout, retries=RETRIES)
+        self._attrs = native_attrs(table.config, table._buckets, table.name)  # passwords from the environment
         self._ops = _native.load()
 
     def find(self, keys, missing):
@@ -624,12 +642,26 @@ class RedisTableCreator(TableCreator):
     def __init__(self, config=None):
         self.config = RedisTableConfig.load(config)
         self._clients = None
+        self._credentials = None
         self.tables = []
+
+    def _register_credentials(self) -> str:
+        """Hands the passwords to the native ops under a random id (never
+        into a graph); "" when there are none."""
+        cfg = self.config
+        if not (cfg.redis_password or cfg.redis_sentinel_password):
+            return ""
+        ident = uuid.uuid4().hex
+        with tf.init_scope():
+            _native.load().tfde_redis_register_credentials(ident, cfg.redis_password, cfg.redis_sentinel_password)
+        return ident
 
     def create(self, name, key_dtype, value_dtype, dim):
         if self._clients is None:
             self._clients = _connect(self.config)
-        table = RedisTable(name, key_dtype, value_dtype, dim, self.config, clients=self._clients)
+            self._credentials = self._register_credentials()
+        table = RedisTable(name, key_dtype, value_dtype, dim, self.config, clients=self._clients,
+                           credentials=self._credentials)
         self.tables.append(table)
         return table
 
