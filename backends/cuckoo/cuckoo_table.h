@@ -143,23 +143,6 @@ class CuckooShard {
     __builtin_prefetch(&buckets_[ih & mask_]);
   }
 
-  // Second stage, once the primary bucket is cached: brings into cache the
-  // row its tags point the key at (a guess: Lookup still compares the key),
-  // or, with no matching tag there, the alternate bucket.
-  void PrefetchRow(uint64_t ih) const {
-    const uint32_t tag = TagOf(ih);
-    const int64_t b1 = ih & mask_;
-    const Bucket& bk = buckets_[b1];
-    for (int s = 0; s < kSlotsPerBucket; ++s) {
-      if (bk.tag[s] == tag && bk.row[s] != kEmptyRow) {
-        const char* p = RowPtr(bk.row[s]);
-        for (int64_t off = 0; off < stride_; off += 64) __builtin_prefetch(p + off);
-        return;
-      }
-    }
-    __builtin_prefetch(&buckets_[AltBucket(b1, tag)]);
-  }
-
   // Row id holding `key`, or kEmptyRow.
   uint32_t Lookup(View key, uint64_t ih) const {
     const uint32_t tag = TagOf(ih);
@@ -449,27 +432,19 @@ class CuckooTable {
       error.Run([&] {
         std::shared_lock<std::shared_mutex> locks[kNumShards];
         for (int s = 0; s < kNumShards; ++s) locks[s] = std::shared_lock<std::shared_mutex>(shards_[s].mu);
-        // Two prefetch stages: key i + 2*kAhead gets its bucket fetched,
-        // key i + kAhead (bucket cached by then) its row, key i is read.
-        constexpr int64_t kAhead = kPrefetchDistance, kRing = 2 * kPrefetchDistance;
-        uint64_t stable[kRing], ih[kRing];
+        constexpr int64_t kAhead = kPrefetchDistance;
+        uint64_t stable[kAhead], ih[kAhead];
         auto stage = [&](int64_t i) {
-          const int64_t r = i % kRing;
+          const int64_t r = i % kAhead;
           stable[r] = StableHash(keys[i]);
           ih[r] = InternalHash(stable[r]);
           shards_[ShardIndex(ih[r])].shard->Prefetch(ih[r]);
         };
-        auto stage_row = [&](int64_t i) {
-          const uint64_t h = ih[i % kRing];
-          shards_[ShardIndex(h)].shard->PrefetchRow(h);
-        };
-        for (int64_t i = begin; i < std::min(end, begin + kRing); ++i) stage(i);
-        for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) stage_row(i);
+        for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) stage(i);
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t r = i % kRing;
+          const int64_t r = i % kAhead;
           const uint64_t h = ih[r], st = stable[r];
-          if (i + kAhead < end) stage_row(i + kAhead);
-          if (i + kRing < end) stage(i + kRing);
+          if (i + kAhead < end) stage(i + kAhead);
           const CuckooShard<K>& sh = *shards_[ShardIndex(h)].shard;
           const uint32_t row = sh.Lookup(keys[i], h);
           if (row != kEmptyRow) {
