@@ -56,12 +56,7 @@ class ChangeLog:
         return self.evicted.upsert(gone, tf.fill([tf.size(gone), 1], self.clock.read_value()))
 
     def after_restore(self) -> None:
-        latest = 0.0
-        for _, labels in self.written.export(CHUNK_ROWS):
-            latest = max(latest, float(tf.reduce_max(labels)))
-        for _, labels in self.evicted.export(CHUNK_ROWS):
-            latest = max(latest, float(tf.reduce_max(labels)))
-        self.clock.assign(latest)
+        self.clock.assign(self.evicted.max_value(self.written.max_value(0.0)))
 
     def changed(self, since: int) -> Iterator[Tuple[tf.Tensor, tf.Tensor]]:
         """(keys, rows) chunks written after step `since` (eager)."""

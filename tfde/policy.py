@@ -232,11 +232,8 @@ class TTLPolicy(TimestampRestrictPolicy):
 
     def after_restore(self) -> None:
         # The latest step this worker saw is the newest timestamp it holds.
-        latest = -1.0
-        for _, scores in self.scores.export(CHUNK_ROWS):
-            latest = max(latest, float(tf.reduce_max(scores)))
         if self.clock == "step":
-            self._latest_step.assign(latest)
+            self._latest_step.assign(self.scores.max_value(-1.0))
 
     def on_apply(self, keys, step):
         write = super().on_apply(keys, step)

@@ -278,6 +278,14 @@ class Variable(tf.Module):
         for t in self._tables:
             yield from t.export(chunk_rows)
 
+    def max_value(self, floor: float) -> float:
+        """The largest value any stored row holds, or `floor` when it is
+        larger or the Variable is empty (eager; for one-column state such as
+        policy timestamps and change labels)."""
+        for _, rows in self.export():
+            floor = max(floor, float(tf.reduce_max(rows)))
+        return floor
+
     def import_(self, keys, values, replace: bool = False):
         """Upserts (keys, values); replace=True clears the Variable first."""
         if replace:
@@ -385,6 +393,22 @@ class Variable(tf.Module):
     def _reset_step_buffer(self):
         return tf.group(self._rows_buffer.assign(tf.zeros([0, self.dim], self.value_dtype)),
                         self._keys_buffer.assign(tf.zeros([0], self.key_dtype)))
+
+
+def model_variables(model) -> list:
+    """The tfde Variables held by the layers of a Keras model (or by a
+    tf.Module and its submodules), in layer order, each once."""
+    if hasattr(model, "_flatten_layers"):  # Keras 3 and tf-keras
+        owners = list(model._flatten_layers(include_self=True, recursive=True))
+    else:
+        owners = [model] + list(getattr(model, "submodules", ()))
+    found = []
+    for owner in owners:
+        for value in vars(owner).values():
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, Variable) and all(v is not f for f in found):
+                    found.append(v)
+    return found
 
 
 def _check_one_replica_per_process():

@@ -9,21 +9,12 @@ import tensorflow as tf
 
 from tfde.errors import ConfigError
 from tfde.policy import AutoRestrictor
-from tfde.variable import Variable
+from tfde.variable import model_variables
 
 
 def _policy_variables(model) -> list:
     """Variables with a restrict policy of every tfde layer in `model`."""
-    if hasattr(model, "_flatten_layers"):  # Keras 3 and tf-keras
-        layers = model._flatten_layers(include_self=True, recursive=True)
-    else:
-        layers = getattr(model, "submodules", ())
-    found = []
-    for layer in layers:
-        params = getattr(layer, "params", None)
-        if isinstance(params, Variable) and params.restrict_policy is not None and params not in found:
-            found.append(params)
-    return found
+    return [v for v in model_variables(model) if v.restrict_policy is not None]
 
 
 class RestrictCallback(tf.keras.callbacks.Callback):

@@ -78,13 +78,12 @@ def _creator_from_config(cfg):
     if kind == "CuckooTableCreator":
         return CuckooTableCreator(**cfg.get("config", {}))
     if kind == "RedisTableCreator":
-        from tfde.tables.redis_table import RedisTableCreator
+        from tfde.tables.redis_table import PASSWORD_ENV, SENTINEL_PASSWORD_ENV, RedisTableCreator
 
         # Configs are saved without passwords; a loading process gives them
         # in the environment.
         config = dict(cfg.get("config", {}))
-        for field, env in (("redis_password", "TFDE_REDIS_PASSWORD"),
-                           ("redis_sentinel_password", "TFDE_REDIS_SENTINEL_PASSWORD")):
+        for field, env in (("redis_password", PASSWORD_ENV), ("redis_sentinel_password", SENTINEL_PASSWORD_ENV)):
             if os.environ.get(env):
                 config[field] = os.environ[env]
         return RedisTableCreator(config)

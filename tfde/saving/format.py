@@ -200,6 +200,20 @@ class BundleReader(ChunkReader):
                 self._tensor(tensor_name(self.base, stream, "rows", i), value_dtype))
 
 
+def write_stream(writer: ChunkWriter, stream: str, sm: StreamMeta, chunks) -> None:
+    """Writes the non-empty (keys, rows) `chunks` of one stream, counting
+    them (and, where the writer wants it, their CRC32) into `sm`."""
+    for keys, rows in chunks:
+        n = int(tf.size(keys))
+        if n == 0:
+            continue
+        writer.write(stream, sm.chunks, keys, rows)
+        if writer.wants_crc:
+            sm.crc32.append(chunk_crc(keys.numpy(), rows.numpy()))
+        sm.chunks += 1
+        sm.rows += n
+
+
 def read_stream(reader: ChunkReader, stream: str, meta: VariableMeta, key_dtype: tf.DType,
                 value_dtype: tf.DType) -> Iterator[Tuple[tf.Tensor, tf.Tensor]]:
     """(keys, rows) chunks of one stream, each checked against the meta

@@ -42,7 +42,9 @@ MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_atomic(path: str, text: str) -> None:
+    """Replaces `path` with `text` so that a crash leaves the old or the new
+    file, never a mix (temporary file, fsync, os.replace, fsync the directory)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -95,12 +97,6 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ state
 
-    def _host(self):
-        return exchange.host_collectives(self._strategy)
-
-    def _barrier(self, host) -> None:
-        if host is not None:
-            host.total(1)
 
     def _state(self) -> dict:
         path = os.path.join(self.directory, STATE_FILE)
@@ -139,7 +135,7 @@ class CheckpointManager:
     def save(self, step: Optional[int] = None) -> str:
         """Writes a checkpoint named after `step` (default: the optimizer's
         iterations) and returns its path.  Every worker calls it."""
-        host = self._host()
+        host = exchange.host_collectives(self._strategy)
         rank, size = (0, 1) if host is None else (host.rank, host.size)
         step = self._default_step() if step is None else int(step)
         name = f"ckpt-{step:09d}"
@@ -151,12 +147,12 @@ class CheckpointManager:
                 if entry.endswith(PARTIAL):
                     shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
             os.makedirs(partial)
-        self._barrier(host)
+        exchange.barrier(self._strategy)
         self._checkpoint.write(_worker_prefix(partial, rank, size))
-        self._barrier(host)
+        exchange.barrier(self._strategy)
         if rank == 0:
             self._commit(partial, final, name, step, size)
-        self._barrier(host)
+        exchange.barrier(self._strategy)
         return final
 
     def _commit(self, partial: str, final: str, name: str, step: int, size: int) -> None:
@@ -164,7 +160,7 @@ class CheckpointManager:
         for f in files:
             with open(os.path.join(partial, f), "rb") as fh:
                 os.fsync(fh.fileno())
-        _write_atomic(os.path.join(partial, MANIFEST),
+        write_atomic(os.path.join(partial, MANIFEST),
                       json.dumps({"format": FORMAT_VERSION, "step": step, "workers": size, "files": files},
                                  indent=1, sort_keys=True))
         state = self._state()
@@ -176,7 +172,7 @@ class CheckpointManager:
         dropped = []
         if self.max_to_keep is not None and len(kept) > self.max_to_keep:
             dropped, kept = kept[:-self.max_to_keep], kept[-self.max_to_keep:]
-        _write_atomic(os.path.join(self.directory, STATE_FILE),
+        write_atomic(os.path.join(self.directory, STATE_FILE),
                       json.dumps({"format": FORMAT_VERSION, "latest": name, "checkpoints": kept}, indent=1))
         for old in dropped:  # only after the state file no longer names them
             shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)

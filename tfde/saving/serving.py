@@ -25,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Dict, List
+from typing import Dict
 
 import tensorflow as tf
 
 from tfde.errors import CheckpointError, ConfigError
+from tfde.saving.manager import write_atomic
 from tfde.tables.cuckoo import CuckooTable
+from tfde.variable import Variable, model_variables
 
 SERVING_INFO = "tfde_serving.json"  # in the SavedModel's assets.extra/
 
@@ -50,24 +52,6 @@ class _ServingTable(CuckooTable):
         cleared = self.clear()
         with tf.control_dependencies([cleared]):
             return self.insert(restored_tensors["keys"], restored_tensors["values"])
-
-
-def model_variables(model) -> List:
-    """The tfde Variables a Keras model (or tf.Module) uses, in layer order."""
-    from tfde.variable import Variable
-
-    if hasattr(model, "_flatten_layers"):
-        owners = list(model._flatten_layers(include_self=True, recursive=True))
-    else:
-        owners = [model] + list(getattr(model, "submodules", ()))
-    found = []
-    for owner in owners:
-        for value in vars(owner).values():
-            candidates = value if isinstance(value, (list, tuple)) else [value]
-            for v in candidates:
-                if isinstance(v, Variable) and all(v is not f for f in found):
-                    found.append(v)
-    return found
 
 
 @contextlib.contextmanager
@@ -203,8 +187,6 @@ def export_for_serving(model, path: str, input_signature=None, rows: str = "embe
 # ---------------------------------------------------------------- incremental
 
 def _variables_of(model_or_variables) -> list:
-    from tfde.variable import Variable
-
     if isinstance(model_or_variables, Variable):
         return [model_or_variables]
     if isinstance(model_or_variables, (list, tuple)):
@@ -239,11 +221,7 @@ def export_changes(model_or_variables, since: int, path: str) -> Dict:
         parts = [("rows", var.changes.changed(since)),
                  ("evicted", ((k, tf.zeros([tf.size(k), 1], tf.float64)) for k in var.changes.removed(since)))]
         for stream, chunks in parts:
-            sm = meta.streams[stream]
-            for keys, rows in chunks:
-                writer.write(stream, sm.chunks, keys, rows)
-                sm.chunks += 1
-                sm.rows += int(tf.size(keys))
+            fmt.write_stream(writer, stream, meta.streams[stream], chunks)
         writer.finish(meta)
         prefixes.extend(writer.prefixes)
         until = max(until, int(var.changes.clock.numpy()))
@@ -252,10 +230,7 @@ def export_changes(model_or_variables, since: int, path: str) -> Dict:
     tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=tf.stack(prefixes), destination_prefix=path,
                                   delete_old_dirs=True)
     info = {"format": fmt.FORMAT_VERSION, "since": int(since), "until": until, "variables": summary}
-    tmp = f"{path}.json.tmp"
-    with open(tmp, "w") as f:
-        json.dump(info, f, indent=1)
-    os.replace(tmp, f"{path}.json")
+    write_atomic(f"{path}.json", json.dumps(info, indent=1))
     return info
 
 

@@ -81,19 +81,11 @@ def save_variable(var, writer: fmt.ChunkWriter) -> None:
     if in_checkpoints(var):
         for stream, v in streams(var).items():
             initial = None if stream == "rows" else float(v.initializer.p0)
-            sm = fmt.StreamMeta(v.dim, v.value_dtype.name, initial)
-            for keys, rows in v.export(fmt.chunk_rows(v.dim, v.value_dtype)):
-                if shared:  # a shared store: each worker writes the keys it owns
-                    keys, rows = _owned(keys, rows, rank, size)
-                n = int(tf.size(keys))
-                if n == 0:
-                    continue
-                writer.write(stream, sm.chunks, keys, rows)
-                if writer.wants_crc:
-                    sm.crc32.append(fmt.chunk_crc(keys.numpy(), rows.numpy()))
-                sm.chunks += 1
-                sm.rows += n
-            meta.streams[stream] = sm
+            sm = meta.streams[stream] = fmt.StreamMeta(v.dim, v.value_dtype.name, initial)
+            chunks = v.export(fmt.chunk_rows(v.dim, v.value_dtype))
+            if shared:  # a shared store: each worker writes the keys it owns
+                chunks = (_owned(keys, rows, rank, size) for keys, rows in chunks)
+            fmt.write_stream(writer, stream, sm, chunks)
     if external is not None:
         writer.finish(meta)
         tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=tf.stack(writer.prefixes),

@@ -111,6 +111,10 @@ end
 return (#ARGV - 3) / 3
 """
 ACCUM_MARKER_TTL_S = 3600  # how long a chunk's applied-once marker lives
+# Where processes that did not create the tables (serving, load_model) find
+# the passwords, which configs and graphs never carry.
+PASSWORD_ENV = "TFDE_REDIS_PASSWORD"
+SENTINEL_PASSWORD_ENV = "TFDE_REDIS_SENTINEL_PASSWORD"
 
 
 def _connect(cfg: RedisTableConfig):
@@ -166,9 +170,9 @@ def native_attrs(cfg: RedisTableConfig, buckets, table_name: str, credentials: s
                 mode=cfg.redis_connection_mode,
                 servers=[f"{h}:{p}" for h, p in zip(cfg.redis_host_ip, cfg.redis_host_port)],
                 master_name=cfg.redis_master_name, db=cfg.redis_db, user=cfg.redis_user or "",
-                credentials=credentials, password_env="TFDE_REDIS_PASSWORD" if env else "",
+                credentials=credentials, password_env=PASSWORD_ENV if env else "",
                 sentinel_user=cfg.redis_sentinel_user or "",
-                sentinel_password_env="TFDE_REDIS_SENTINEL_PASSWORD" if env else "",
+                sentinel_password_env=SENTINEL_PASSWORD_ENV if env else "",
                 connect_timeout_ms=cfg.redis_connect_timeout, socket_timeout_ms=cfg.redis_socket_timeout,
                 retries=RETRIES)
 
