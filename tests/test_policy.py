@@ -85,6 +85,44 @@ def test_random_steps_and_restrictions_match_reference(kind, policy, seed):
             cleanup()
 
 
+def test_restriction_during_training_leaves_every_key_in_all_tables_or_none():
+    """restrict() runs in a second thread while training steps (tf.function,
+    Adam: two optimizer slots plus the policy state) write the same keys:
+    after each round, every slot holds exactly the rows' key set."""
+    import threading
+
+    for backend, creator, cleanup in creators():
+        try:
+            var = tfde.Variable(f"pol-conc-{backend}", dim=4, table_creator=creator,
+                                restrict_policy=tfde.FrequencyRestrictPolicy)
+            opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
+
+            @tf.function
+            def step(ids):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tfde.embedding_lookup(var, ids, training=True))
+                opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+
+            rng = np.random.default_rng(0)
+            step(tf.constant(rng.integers(0, 4000, 512), tf.int64))
+            for round_ in range(6):
+                batches = [tf.constant(rng.integers(0, 4000, 512), tf.int64) for _ in range(30)]
+                trainer = threading.Thread(target=lambda: [step(b) for b in batches])
+                restrictions = removed = 0
+                trainer.start()
+                while trainer.is_alive():
+                    removed += var.restrict(300)
+                    restrictions += 1
+                trainer.join()
+                assert restrictions > 0 and removed > 0, (backend, round_)
+                keys_now = stored(var)
+                assert len(keys_now) > 0
+                for name, slot in var.slots.items():
+                    assert stored(slot) == keys_now, (backend, round_, name, len(stored(slot) ^ keys_now))
+        finally:
+            cleanup()
+
+
 def test_inference_does_not_count():
     var = tfde.Variable("pol-inf", dim=2, restrict_policy=tfde.FrequencyRestrictPolicy)
     opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))

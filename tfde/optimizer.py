@@ -214,12 +214,21 @@ class DynamicEmbeddingMixin:
         if wd is not None and self._tfde_use_weight_decay(var):
             rows = rows - rows * tf.cast(wd, compute) * lr
         new_rows, new_slots = rule.update(self, rows, g, slots, lr, t)
-        ops = [var.upsert(keys, tf.cast(new_rows, var.value_dtype))]
-        for name, value in new_slots.items():
-            ops.append(slot_vars[name].upsert(keys, tf.cast(value, var.value_dtype)))
-        with tf.control_dependencies(ops):
-            ops.extend(var._after_update(keys, self.iterations))
-        return tf.group(ops)
+        new_rows = tf.cast(new_rows, var.value_dtype)
+        new_slots = {name: tf.cast(value, var.value_dtype) for name, value in new_slots.items()}
+        step = tf.identity(self.iterations)
+
+        def write(keys):
+            # Rows, slots and policy state of the step's keys are written in
+            # the Variable's write section, so a concurrent removal (restrict)
+            # sees a key in all of its tables or in none.
+            ops = [var.upsert(keys, new_rows)]
+            ops.extend(slot_vars[name].upsert(keys, value) for name, value in new_slots.items())
+            with tf.control_dependencies(ops):
+                ops.extend(var._after_update(keys, step))
+            return tf.size(keys), ops
+
+        return var._exclusively(keys, write)
 
     def _tfde_use_weight_decay(self, var) -> bool:
         try:

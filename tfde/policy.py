@@ -15,9 +15,14 @@ the same value, the one with the smaller stable hash is kept, so every
 worker decides alike.  tfde.AutoRestrictor and
 tfde.keras.callbacks.RestrictCallback apply it automatically.
 
-Restriction is meant to run between training steps (the automatic helpers
-do); a training step that runs concurrently may write a key back after it
-was removed.
+Restriction may run while training steps run (another thread, a callback):
+a key is removed from the rows, every slot and the policy state in one step
+of the Variable's write section, and a training step writes a key's row,
+slots and policy state in one step of the same section (tfde.Variable), so
+every key is always in all of the Variable's tables or in none.  A step that
+read a key before its removal writes it back whole (it was trained in that
+step).  Across processes sharing a Redis store, restriction is a collective
+call made by every worker between steps (below), so no worker writes then.
 
 In distributed training (tfde/exchange.py) every worker must call
 restrict() at the same point (the automatic helpers decide with the global

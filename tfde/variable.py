@@ -16,7 +16,12 @@ buffer.  A layer called twice in one step appends twice, so both calls'
 gradients are applied.
 
 Thread-safety: lookups and writes may run concurrently (the stores are
-thread-safe); the step buffer assumes one training step at a time.
+thread-safe); the step buffer assumes one training step at a time.  A
+training step's writes of a key (row, optimizer slots, policy state, change
+log) and the removal of that key (remove(), restrict(), clear()) exclude each
+other: both run inside the Variable's write section (a tf.CriticalSection),
+so a removal that overlaps training leaves every key either in all of the
+Variable's tables or in none of them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Iterator, Optional, Tuple
 
 import tensorflow as tf
 
+from tfde import _native
 from tfde import exchange as _exchange
 from tfde import initializers as _init
 from tfde.errors import ConfigError, ShapeError
@@ -114,6 +120,10 @@ class Variable(tf.Module):
         self.admission_filter = admission_filter
         if admission_filter is not None:
             admission_filter.bind(self)
+        with tf.init_scope():
+            # Held by a training step while it writes rows, slots and policy
+            # state, and by removals: see _exclusively.
+            self._write_section = tf.CriticalSection(name=f"{self.name}_writes")
         self.changes = None
         if track_changes:
             from tfde.changes import ChangeLog
@@ -251,22 +261,54 @@ class Variable(tf.Module):
         return tf.group(self._for_each_shard(flat, rows, one))
 
     def remove(self, keys):
-        """Removes `keys` (and, when present, their optimizer slots); returns
-        how many rows were removed (int64 scalar)."""
+        """Removes `keys` from the rows, every slot (optimizer and policy
+        state) and the change log, in one step of the write section: a
+        training step never sees a key half removed.  Returns how many rows
+        were removed (int64 scalar)."""
         flat = self._keys(tf.reshape(tf.convert_to_tensor(keys, dtype_hint=self.key_dtype), [-1]))
+        return self._exclusively(flat, self._remove_everywhere)
+
+    def _remove_everywhere(self, flat):
+        """(rows removed, the removal ops) over rows, slots and change log."""
         deps = [] if self.changes is None else [self.changes.on_remove(flat)]
         with tf.control_dependencies(deps):
             removed = tf.add_n(self._for_each_shard(flat, None, lambda t, k, r: t.remove(k)))
-        for slot in self._slots.values():
-            slot.remove(flat)
-        return removed
+        slot_writes = []
+        with tf.control_dependencies([removed]):
+            for slot in self._slots.values():
+                count, writes = slot._remove_everywhere(flat)
+                slot_writes += [count] + writes
+        return removed, slot_writes
 
     def clear(self):
-        """Removes every key, slots included."""
+        """Removes every key, slots included (in the write section)."""
+        return self._exclusively(tf.zeros([0], self.key_dtype), lambda _: (tf.constant(True), self._clear_all()))
+
+    def _clear_all(self) -> list:
         ops = [t.clear() for t in self._tables]
         for slot in self._slots.values():
-            ops.append(slot.clear())
-        return tf.group([o for o in ops if o is not None])
+            ops.extend(slot._clear_all())
+        return [o for o in ops if o is not None]
+
+    def _exclusively(self, keys, fn):
+        """Runs fn(keys) inside this Variable's write section; returns its
+        result.  fn returns (result tensor, list of its write ops) and must
+        write through the `keys` it is given: they reach it through a
+        stateful identity (TfdeOrdered) made after the section's lock, so
+        every write depends on the lock by data, which graph optimizers keep
+        (they drop control edges they judge redundant; measured: a policy
+        write escaped the section under Grappler's arithmetic optimizer).
+        The section is released once every write and the result are done.
+        Work whose inputs are computed outside fn (new rows, scores) runs
+        before the lock is taken, so it is held only for the writes."""
+        ordered = _native.load().tfde_ordered
+
+        def body():
+            result, writes = fn(ordered(keys))
+            with tf.control_dependencies(writes):
+                return ordered(result)
+
+        return self._write_section.execute(body, exclusive_resource_access=False)
 
     def size(self) -> tf.Tensor:
         """Number of stored keys over all shards (int64 scalar)."""

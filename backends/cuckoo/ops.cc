@@ -578,6 +578,17 @@ class InitRowsOp : public OpKernel {
   DataType value_dtype_;
 };
 
+// Forwards its input.  Stateful, so graph optimizers neither merge, fold nor
+// move it, and keep its control inputs: tfde's write sections (a
+// tf.CriticalSection per Variable) pass the keys of their writes through it,
+// making every write depend on the section's lock by data, not only by
+// control edges that an optimizer may judge redundant and drop.
+class OrderedOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override { ctx->set_output(0, ctx->input(0)); }
+};
+
 // ---------------------------------------------------------------- registration
 
 using ::tensorflow::shape_inference::InferenceContext;
@@ -697,6 +708,14 @@ REGISTER_OP("TfdeInitRows")
     .TFDE_INIT_ATTRS
     .SetShapeFn([](InferenceContext* c) { return RowsShape(c, 0, 0); });
 
+REGISTER_OP("TfdeOrdered")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("T: type")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape);
+
+REGISTER_KERNEL_BUILDER(Name("TfdeOrdered").Device(::tensorflow::DEVICE_CPU), OrderedOp);
 REGISTER_KERNEL_BUILDER(Name("TfdeCuckooTable").Device(::tensorflow::DEVICE_CPU), CreateTableOp);
 REGISTER_KERNEL_BUILDER(Name("TfdeTableClear").Device(::tensorflow::DEVICE_CPU), ClearOp);
 REGISTER_KERNEL_BUILDER(Name("TfdeTableSize").Device(::tensorflow::DEVICE_CPU), SizeOp);
