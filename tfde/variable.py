@@ -26,6 +26,7 @@ Variable's tables or in none of them.
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Iterator, Optional, Tuple
 
@@ -38,6 +39,9 @@ from tfde.errors import ConfigError, ShapeError
 from tfde.hashing import shard_index
 from tfde.tables.base import DEFAULT_EXPORT_CHUNK_ROWS, TableCreator, as_keys
 from tfde.tables.cuckoo import CuckooTableCreator, check_dtypes
+
+
+_SECTION_IDS = itertools.count()
 
 
 def _module_name(name: str) -> str:
@@ -122,8 +126,12 @@ class Variable(tf.Module):
             admission_filter.bind(self)
         with tf.init_scope():
             # Held by a training step while it writes rows, slots and policy
-            # state, and by removals: see _exclusively.
-            self._write_section = tf.CriticalSection(name=f"{self.name}_writes")
+            # state, and by removals: see _exclusively.  The shared_name is
+            # unique per Variable object: unnamed critical sections made in
+            # eager mode all share one mutex, and two of them in one step
+            # deadlock (the second lock can be taken first).
+            self._write_section = tf.CriticalSection(
+                name=f"{self.name}_writes", shared_name=f"tfde_writes_{next(_SECTION_IDS)}_{self.name}")
         self.changes = None
         if track_changes:
             from tfde.changes import ChangeLog
