@@ -242,6 +242,32 @@ def test_native_op_validates_shapes_itself():  # cuckoo only: its kernels
     assert int(t.size()) == 0
 
 
+@pytest.mark.parametrize("expected_rows", [0, 200_000])
+@pytest.mark.parametrize("dim", [64, 66])
+def test_big_batches_stream_their_rows(expected_rows, dim):  # cuckoo only: its kernels
+    # Batches of >= 16 MiB of rows take the streaming-store copies
+    # (backends/cuckoo/row_copy.h): new rows on insert, every row on find.
+    # dim 66: 264-byte rows, so half the destinations are only 8-aligned.
+    # expected_rows > 0: the rows' memory is mapped when the table is made.
+    rng = np.random.default_rng(dim)
+    n = 70_000
+    t = CuckooTableCreator(expected_rows=expected_rows).create("big", tf.int64, tf.float32, dim)
+    keys = rng.choice(1 << 40, size=2 * n, replace=False).astype(np.int64)
+    first = rng.standard_normal((n, dim)).astype(np.float32)
+    t.insert(tf.constant(keys[:n]), tf.constant(first))  # all new
+    mixed_keys = np.concatenate([keys[n // 2:n], keys[n:n + n // 2]])  # half stored, half new
+    mixed = rng.standard_normal((n, dim)).astype(np.float32)
+    t.insert(tf.constant(mixed_keys), tf.constant(mixed))
+    expect = dict(zip(keys[:n].tolist(), first))
+    expect.update(zip(mixed_keys.tolist(), mixed))
+    probe = np.concatenate([keys[:n + n // 2], keys[n + n // 2:]])  # stored, then missing
+    values, exists = t.find(tf.constant(probe), InitSpec("constant", 0.5, 0.0, 0))
+    want = np.stack([expect.get(k, np.full(dim, 0.5, np.float32)) for k in probe.tolist()])
+    np.testing.assert_array_equal(values.numpy(), want)
+    np.testing.assert_array_equal(exists.numpy(), [k in expect for k in probe.tolist()])
+    assert int(t.size()) == len(expect)
+
+
 @pytest.mark.parametrize("dim", [0, -3, 1 << 20, 2.5, True])
 def test_bad_dims(dim):
     with pytest.raises(tfde.ConfigError, match="dim must be an int between 1 and 65536"):

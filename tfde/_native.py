@@ -23,7 +23,8 @@ from pathlib import Path
 
 from tfde.errors import BuildError
 
-_SOURCES = ("cuckoo/hash.h", "cuckoo/init_rows.h", "cuckoo/cuckoo_table.h", "cuckoo/op_support.h", "cuckoo/ops.cc",
+_SOURCES = ("cuckoo/hash.h", "cuckoo/init_rows.h", "cuckoo/row_copy.h", "cuckoo/cuckoo_table.h", "cuckoo/op_support.h",
+            "cuckoo/ops.cc",
             "redis/resp_client.h", "redis/ops.cc")
 _UNITS = ("cuckoo/ops.cc", "redis/ops.cc")  # compiled into the one library
 _lock = threading.Lock()

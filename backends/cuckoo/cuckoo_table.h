@@ -43,6 +43,7 @@
 #include <sys/mman.h>
 
 #include "hash.h"
+#include "row_copy.h"
 
 namespace tfde {
 
@@ -113,12 +114,20 @@ class CuckooShard {
   using Traits = KeyTraits<K>;
   using View = typename Traits::View;
 
-  // row_value_bytes: bytes of one row's value.
-  explicit CuckooShard(int64_t row_value_bytes, int64_t expected_rows)
+  // row_value_bytes: bytes of one row's value.  presized: the caller asked
+  // for room for expected_rows up front; the rows' memory is then allocated
+  // and its pages mapped now (as a presized libcuckoo map constructs its
+  // buckets), so the first inserts do not page-fault.
+  CuckooShard(int64_t row_value_bytes, int64_t expected_rows, bool presized)
       : key_bytes_(Traits::kInline ? 8 : 0),
         stride_(RoundUp8(key_bytes_ + row_value_bytes)),
         first_chunk_log2_(FirstChunkLog2(expected_rows)) {
     InitBuckets(BucketsFor(expected_rows));
+    if (presized) {
+      const int64_t bytes = (int64_t{1} << first_chunk_log2_) * stride_;
+      chunks_.push_back(AllocateChunk(bytes));
+      MapPages(chunks_.back(), bytes);
+    }
   }
   ~CuckooShard() { FreeChunks(); }
   CuckooShard(const CuckooShard&) = delete;
@@ -374,6 +383,16 @@ class CuckooShard {
     return static_cast<char*>(mem);
   }
 
+  // Maps the pages of [mem, mem + bytes) now rather than at first write.
+  static void MapPages(char* mem, int64_t bytes) {
+#ifdef MADV_POPULATE_WRITE
+    if (madvise(mem, bytes, MADV_POPULATE_WRITE) == 0) return;
+#endif
+    // Kernels before 5.14: write one byte per page (the rows hold garbage
+    // until inserted anyway).
+    for (int64_t off = 0; off < bytes; off += 4096) mem[off] = 0;
+  }
+
   void FreeRow(uint32_t row) {
     live_[row >> 6] &= ~(uint64_t{1} << (row & 63));
     if constexpr (!Traits::kInline) {
@@ -411,7 +430,8 @@ class CuckooTable {
   CuckooTable(int64_t value_bytes, int64_t expected_rows) : value_bytes_(value_bytes) {
     if (value_bytes <= 0) throw TableError("row size must be positive, got " + std::to_string(value_bytes));
     for (int s = 0; s < kNumShards; ++s) {
-      shards_[s].shard = std::make_unique<CuckooShard<K>>(value_bytes, expected_rows / kNumShards + 1);
+      shards_[s].shard =
+          std::make_unique<CuckooShard<K>>(value_bytes, expected_rows / kNumShards + 1, expected_rows > 0);
     }
   }
 
@@ -453,6 +473,7 @@ class CuckooTable {
             on_miss(i, st);
           }
         }
+        StoreFence();  // the callbacks may have streamed their rows (row_copy.h)
       });
     });
     error.Rethrow();
@@ -484,7 +505,10 @@ class CuckooTable {
           ++fresh_in[ShardIndex(ih[i])];
         }
       }
-      if (fresh.empty()) return;
+      if (fresh.empty()) {
+        StoreFence();
+        return;
+      }
       for (int s = 0; s < kNumShards; ++s)
         if (fresh_in[s] > 0) shards_[s].shard->Reserve(shards_[s].shard->size() + fresh_in[s]);
       int64_t created_here = 0;
@@ -500,6 +524,7 @@ class CuckooTable {
         update(i, sh.value_at(row), created, stable[i]);
         created_here += created;
       }
+      StoreFence();  // the callbacks may have streamed their rows (row_copy.h)
       added.fetch_add(created_here, std::memory_order_relaxed);
     });
     size_.fetch_add(added.load(), std::memory_order_relaxed);

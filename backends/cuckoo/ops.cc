@@ -292,13 +292,14 @@ class FindOp : public TableOpBase<TK> {
     bool* ex = exists->flat<bool>().data();
     const int64_t vb = table->value_bytes(), dim = table->dim();
     KeyViews<TK> views(keys);
+    const bool streaming = n * vb >= kStreamingCopyBytes;
     OP_REQUIRES_OK(ctx, WithValueType(table->value_dtype(), [&](auto v) {
       using V = decltype(v);
       try {
         table->core.Find(
             views.data, n, PoolOf(ctx),
             [&](int64_t i, const char* row) {
-              std::memcpy(out + i * vb, row, vb);
+              CopyRow(out + i * vb, row, vb, streaming);
               ex[i] = true;
             },
             [&](int64_t i, uint64_t hash) {
@@ -333,9 +334,13 @@ class InsertOp : public TableOpBase<TK> {
     const char* src = values.tensor_data().data();
     const int64_t vb = table->value_bytes();
     KeyViews<TK> views(keys);
+    // New rows of a big batch are streamed; rows already stored were just
+    // read (their key compared), so their lines are cached: plain stores.
+    const bool streaming = n * vb >= kStreamingCopyBytes;
     try {
-      table->core.Upsert(views.data, n, PoolOf(ctx),
-                         [&](int64_t i, char* row, bool, uint64_t) { std::memcpy(row, src + i * vb, vb); });
+      table->core.Upsert(views.data, n, PoolOf(ctx), [&](int64_t i, char* row, bool created, uint64_t) {
+        CopyRow(row, src + i * vb, vb, streaming && created);
+      });
     }
     TFDE_CATCH(ctx, "insert")
   }
