@@ -74,6 +74,6 @@ echo "=== tf-keras (TF_USE_LEGACY_KERAS=1): Keras-facing tests"
 TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --ignore=tests/horovod -m keras "$@" \
   || status=$?
 echo "=== Horovod (TF 2.16.2, tf-keras, horovodrun on loopback)"
-PATH="$HVENV/bin:$PATH" TF_USE_LEGACY_KERAS=1 "$HVENV/bin/python" -m pytest -q -p no:cacheprovider tests/horovod \
+PATH="$HVENV/bin:$PATH" TF_USE_LEGACY_KERAS=1 "$HVENV/bin/python" -m pytest -q -p no:cacheprovider tests/horovod "$@" \
   || status=$?
 exit $status
