@@ -245,8 +245,8 @@ def test_native_op_validates_shapes_itself():  # cuckoo only: its kernels
 @pytest.mark.parametrize("expected_rows", [0, 200_000])
 @pytest.mark.parametrize("dim", [64, 66])
 def test_big_batches_stream_their_rows(expected_rows, dim):  # cuckoo only: its kernels
-    # Batches of >= 16 MiB of rows take the streaming-store copies
-    # (backends/cuckoo/row_copy.h): new rows on insert, every row on find.
+    # Finds of >= 16 MiB of rows write them with streaming stores
+    # (backends/cuckoo/row_copy.h); inserts of as many rows, new and stored.
     # dim 66: 264-byte rows, so half the destinations are only 8-aligned.
     # expected_rows > 0: the rows' memory is mapped when the table is made.
     rng = np.random.default_rng(dim)

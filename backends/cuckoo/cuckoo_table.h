@@ -505,10 +505,7 @@ class CuckooTable {
           ++fresh_in[ShardIndex(ih[i])];
         }
       }
-      if (fresh.empty()) {
-        StoreFence();
-        return;
-      }
+      if (fresh.empty()) return;
       for (int s = 0; s < kNumShards; ++s)
         if (fresh_in[s] > 0) shards_[s].shard->Reserve(shards_[s].shard->size() + fresh_in[s]);
       int64_t created_here = 0;
@@ -524,7 +521,6 @@ class CuckooTable {
         update(i, sh.value_at(row), created, stable[i]);
         created_here += created;
       }
-      StoreFence();  // the callbacks may have streamed their rows (row_copy.h)
       added.fetch_add(created_here, std::memory_order_relaxed);
     });
     size_.fetch_add(added.load(), std::memory_order_relaxed);

@@ -334,13 +334,12 @@ class InsertOp : public TableOpBase<TK> {
     const char* src = values.tensor_data().data();
     const int64_t vb = table->value_bytes();
     KeyViews<TK> views(keys);
-    // New rows of a big batch are streamed; rows already stored were just
-    // read (their key compared), so their lines are cached: plain stores.
-    const bool streaming = n * vb >= kStreamingCopyBytes;
+    // Plain stores, also for big batches: a row's first line holds its key,
+    // just read (stored rows) or written (new rows), so it is cached, and
+    // streaming the rest measured slower (dim 64: 6.6M vs 9.5M new keys/s).
     try {
-      table->core.Upsert(views.data, n, PoolOf(ctx), [&](int64_t i, char* row, bool created, uint64_t) {
-        CopyRow(row, src + i * vb, vb, streaming && created);
-      });
+      table->core.Upsert(views.data, n, PoolOf(ctx),
+                         [&](int64_t i, char* row, bool, uint64_t) { std::memcpy(row, src + i * vb, vb); });
     }
     TFDE_CATCH(ctx, "insert")
   }

@@ -1,11 +1,14 @@
-// Row copies for big batches.  No TensorFlow includes.
+// Row copies for big finds.  No TensorFlow includes.
 //
-// A find or insert of millions of rows moves hundreds of MiB that the CPU
+// A find of millions of rows writes hundreds of MiB of output that the CPU
 // will not read again soon.  Ordinary stores first read each destination
 // cache line (read-for-ownership), so such a copy moves every byte through
 // memory twice; non-temporal (streaming) stores write around the caches and
-// skip that read.  Small batches keep ordinary stores: their output is read
-// right away (the next op of a training step) and should stay in cache.
+// skip that read (measured: find of 1M keys at dim 64, +15-20%).  Small
+// batches keep ordinary stores: their output is read right away (the next
+// op of a training step) and should stay in cache.  Inserts do not stream:
+// a table row's first line holds its key, which the insert has just read
+// or written, and streaming the rest of the row measured slower.
 #ifndef TFDE_BACKENDS_CUCKOO_ROW_COPY_H_
 #define TFDE_BACKENDS_CUCKOO_ROW_COPY_H_
 
