@@ -51,8 +51,10 @@ def stored(var):
 
 
 def train_step(var, opt, keys):
+    """One training step on `keys`: a list, or an int64 tensor (inside tf.function)."""
+    ids = keys if tf.is_tensor(keys) else tf.constant(keys, tf.int64)
     with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tfde.embedding_lookup(var, tf.constant(keys, tf.int64), training=True))
+        loss = tf.reduce_sum(tfde.embedding_lookup(var, ids, training=True))
     opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
 
 
@@ -96,12 +98,7 @@ def test_restriction_during_training_leaves_every_key_in_all_tables_or_none():
             var = tfde.Variable(f"pol-conc-{backend}", dim=4, table_creator=creator,
                                 restrict_policy=tfde.FrequencyRestrictPolicy)
             opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
-
-            @tf.function
-            def step(ids):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_sum(tfde.embedding_lookup(var, ids, training=True))
-                opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+            step = tf.function(lambda ids: train_step(var, opt, ids))
 
             rng = np.random.default_rng(0)
             step(tf.constant(rng.integers(0, 4000, 512), tf.int64))
@@ -226,12 +223,7 @@ def test_policy_and_admission_inside_tf_function(backend, tmp_path):
         var = tfde.Variable(f"pol-fn-{backend}", dim=2, table_creator=creator,
                             restrict_policy=tfde.FrequencyRestrictPolicy, admission_filter=tfde.CounterFilter(2))
         opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
-
-        @tf.function
-        def step(ids):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(tfde.embedding_lookup(var, ids, training=True))
-            opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+        step = tf.function(lambda ids: train_step(var, opt, ids))
 
         step(tf.constant([1, 2], tf.int64))
         assert stored(var) == set()  # seen once: not admitted
