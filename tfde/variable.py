@@ -308,7 +308,11 @@ class Variable(tf.Module):
         write escaped the section under Grappler's arithmetic optimizer).
         The section is released once every write and the result are done.
         Work whose inputs are computed outside fn (new rows, scores) runs
-        before the lock is taken, so it is held only for the writes."""
+        before the lock is taken, so it is held only for the writes.  One
+        graph must not enter the same Variable's section twice (TF orders
+        the releases in program order but may take the second lock first,
+        a deadlock): the optimizer writes each Variable once per step, and
+        removal runs eagerly between or beside steps."""
         ordered = _native.load().tfde_ordered
 
         def body():
