@@ -117,6 +117,9 @@ class CuckooTableCreator(TableCreator):
     """Creates CuckooTables (the default backend).
 
     expected_rows: rows per table to size for up front (0: grow on demand).
+      The memory for that many rows is allocated and mapped when the table
+      is made (so the first inserts do not page-fault), whether or not the
+      rows are ever inserted.
     """
 
     expected_rows: int = 0
