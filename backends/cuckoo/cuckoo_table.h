@@ -101,6 +101,12 @@ constexpr int64_t kHugePageBytes = 2 << 20;
 // RSS slack of a partly used huge page would matter more than the faults saved.
 constexpr int64_t kHugePageChunkBytes = 2 << 20;
 
+// Prefetches every cache line of [p, p + bytes).
+inline void PrefetchLines(const char* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  __builtin_prefetch(p + bytes - 1);  // the last line, when p is not line-aligned
+}
+
 // Allocator for big per-batch and per-shard arrays: blocks of at least
 // kHugePageChunkBytes are 2 MiB aligned and advised for transparent huge
 // pages (one fault per 2 MiB instead of per 4 KiB when they are first
@@ -485,8 +491,13 @@ class CuckooTable {
   //
   // Reads need no shard grouping: each worker takes every shard's lock
   // shared once, then walks its range of keys in batch order (so outputs are
-  // written sequentially) with a software pipeline that hashes and
-  // prefetches the bucket of the key kPrefetchDistance positions ahead.
+  // written sequentially) as a three-stage software pipeline: hash key
+  // i + 2D and prefetch its bucket; probe key i + D (its bucket is cached by
+  // now) and prefetch its row's lines; hand key i's row (cached by now) to
+  // its callback.  Rows do not move while the locks are held, so the row
+  // found in the second stage is still the key's row in the third.  Without
+  // the row stage a key's row lines are fetched only when copied, one key at
+  // a time (find of 1M keys at dim 64: 36 ms -> 18 ms).
   template <class OnHit, class OnMiss>
   void Find(const View* keys, int64_t n, const ParallelFor& pfor, OnHit on_hit, OnMiss on_miss) const {
     FirstError error;
@@ -494,25 +505,33 @@ class CuckooTable {
       error.Run([&] {
         std::shared_lock<std::shared_mutex> locks[kNumShards];
         for (int s = 0; s < kNumShards; ++s) locks[s] = std::shared_lock<std::shared_mutex>(shards_[s].mu);
-        constexpr int64_t kAhead = kPrefetchDistance;
-        uint64_t stable[kAhead], ih[kAhead];
-        auto stage = [&](int64_t i) {
-          const int64_t r = i % kAhead;
-          stable[r] = StableHash(keys[i]);
+        constexpr int64_t D = kPrefetchDistance;
+        constexpr int64_t kRing = 4 * D;  // > 2D: key i's entry outlives the hashing of key i + 2D
+        uint64_t stable[kRing], ih[kRing];
+        const char* found[kRing];  // key's row, or nullptr when absent
+        auto hash_stage = [&](int64_t j) {
+          const int64_t r = j % kRing;
+          stable[r] = StableHash(keys[j]);
           ih[r] = InternalHash(stable[r]);
           shards_[ShardIndex(ih[r])].shard->Prefetch(ih[r]);
         };
-        for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) stage(i);
+        auto probe_stage = [&](int64_t j) {
+          const int64_t r = j % kRing;
+          const CuckooShard<K>& sh = *shards_[ShardIndex(ih[r])].shard;
+          const uint32_t row = sh.Lookup(keys[j], ih[r]);
+          found[r] = row == kEmptyRow ? nullptr : sh.value_at(row);
+          if (found[r] != nullptr) PrefetchLines(found[r], value_bytes_);
+        };
+        for (int64_t j = begin; j < std::min(end, begin + 2 * D); ++j) hash_stage(j);
+        for (int64_t j = begin; j < std::min(end, begin + D); ++j) probe_stage(j);
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t r = i % kAhead;
-          const uint64_t h = ih[r], st = stable[r];
-          if (i + kAhead < end) stage(i + kAhead);
-          const CuckooShard<K>& sh = *shards_[ShardIndex(h)].shard;
-          const uint32_t row = sh.Lookup(keys[i], h);
-          if (row != kEmptyRow) {
-            on_hit(i, sh.value_at(row));
+          if (i + 2 * D < end) hash_stage(i + 2 * D);
+          if (i + D < end) probe_stage(i + D);
+          const int64_t r = i % kRing;
+          if (found[r] != nullptr) {
+            on_hit(i, found[r]);
           } else {
-            on_miss(i, st);
+            on_miss(i, stable[r]);
           }
         }
         StoreFence();  // the callbacks may have streamed their rows (row_copy.h)
