@@ -587,18 +587,24 @@ class CuckooTable {
         constexpr int64_t kRing = 4 * D;  // > 2D: key i's entry outlives the hashing of key i + 2D
         uint64_t stable[kRing], ih[kRing];
         const char* found[kRing];  // key's row, or nullptr when absent
+        int64_t probed = 0, absent = 0;
         auto hash_stage = [&](int64_t j) {
           const int64_t r = j % kRing;
           stable[r] = StableHash(keys[j]);
           ih[r] = InternalHash(stable[r]);
-          shards_[ShardIndex(ih[r])].shard->Prefetch(ih[r]);
+          // While many keys so far were absent, also fetch the second bucket,
+          // which an absent key's probe reads.
+          if (4 * absent > probed) shards_[ShardIndex(ih[r])].shard->PrefetchBoth(ih[r]);
+          else shards_[ShardIndex(ih[r])].shard->Prefetch(ih[r]);
         };
         auto probe_stage = [&](int64_t j) {
           const int64_t r = j % kRing;
           const CuckooShard<K>& sh = *shards_[ShardIndex(ih[r])].shard;
           const uint32_t row = sh.Lookup(keys[j], ih[r]);
           found[r] = row == kEmptyRow ? nullptr : sh.value_at(row);
+          ++probed;
           if (found[r] != nullptr) PrefetchLines(found[r], value_bytes_);
+          else ++absent;
         };
         for (int64_t j = begin; j < std::min(end, begin + 2 * D); ++j) hash_stage(j);
         for (int64_t j = begin; j < std::min(end, begin + D); ++j) probe_stage(j);
