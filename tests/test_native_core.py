@@ -40,6 +40,33 @@ def test_core_has_no_tensorflow_includes():
         assert includes and not any("tensorflow" in line or "Eigen" in line for line in includes), name
 
 
+def _unxorshift(z: int, k: int) -> int:
+    out = z
+    for _ in range(64 // k + 1):
+        out = z ^ (out >> k)
+    return out
+
+
+def test_mix64_is_a_bijection_so_int_keys_are_their_hashes():
+    """The cuckoo core keeps no int key in its buckets, only the key's 64-bit
+    internal hash (Mix64 of the stable hash, itself Mix64 of the key), and
+    treats equal hashes as equal keys (cuckoo_table.h, KeyTraits).  That holds
+    only while Mix64 is invertible: undo it step by step here."""
+    m = (1 << 64) - 1
+
+    def unmix(h):
+        z = _unxorshift(h, 31)
+        z = (z * pow(0x94D049BB133111EB, -1, 1 << 64)) & m
+        z = _unxorshift(z, 27)
+        z = (z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & m
+        z = _unxorshift(z, 30)
+        return (z - 0x9E3779B97F4A7C15) & m
+
+    rng = random.Random(3)
+    for z in [0, 1, m, 1 << 63, 0x9E3779B97F4A7C15] + [rng.getrandbits(64) for _ in range(2000)]:
+        assert unmix(hashing.mix64(z)) == z
+
+
 @pytest.mark.parametrize("dtype", [tf.int64, tf.int32])
 def test_stable_hash_matches_reference_for_ints(dtype):
     info = np.iinfo(dtype.as_numpy_dtype)
