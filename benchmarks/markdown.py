@@ -1,4 +1,5 @@
-"""Markdown tables of a results file written by benchmarks.run (for the READMEs).
+"""Markdown tables of a results file written by benchmarks.run or by
+benchmarks.table_bench (for the READMEs).
 
   python -m benchmarks.markdown [benchmarks/results/latest.json]
 """
@@ -82,10 +83,21 @@ def tables(r: dict) -> list:
     return out
 
 
+def as_run(r: dict) -> dict:
+    """A results file of benchmarks.table_bench alone, shaped like one of benchmarks.run."""
+    if "dims" not in r:
+        return r
+    first = next(iter(r["dims"].values()))
+    tfra = first.get("tfra_rounds") or [{}]
+    info = {**r["machine"], "tfde": f"TF {r['machine']['tf']}",
+            "reference": f"TFRA 0.8.1 on TF {tfra[0]['tf']}" if "tf" in tfra[0] else "none"}
+    return {"machine": info, "table": {k: r[k] for k in ("n", "batch", "rounds", "dims")}}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     path = Path(argv[0]) if argv else HERE / "results" / "latest.json"
-    print("\n".join(tables(json.loads(path.read_text()))))
+    print("\n".join(tables(as_run(json.loads(path.read_text())))))
     return 0
 
 

@@ -176,6 +176,10 @@ class Variable(tf.Module):
     def _keys(self, keys) -> tf.Tensor:
         return as_keys(keys, self.key_dtype, self.name)
 
+    def _flat_keys(self, keys) -> tf.Tensor:
+        keys = tf.convert_to_tensor(keys, dtype_hint=self.key_dtype)
+        return self._keys(keys if keys.shape.rank == 1 else tf.reshape(keys, [-1]))
+
     def _missing(self, flat_keys, for_update=False):
         if not for_update and self.admission_filter is not None and self.admission_filter.default == "zeros":
             return _init.InitSpec("constant", 0.0, 0.0, self.seed)
@@ -218,6 +222,8 @@ class Variable(tf.Module):
                 and values.shape[-1] != self.dim:
             raise ShapeError(f"{what} for {self.name!r} have last dimension {values.shape[-1]}, but the Variable "
                              f"holds rows of dim {self.dim}; expected shape keys.shape + [{self.dim}]")
+        if values.shape.rank == 2 and values.shape[-1] == self.dim:  # already [n, dim]: no op needed
+            return values
         return tf.reshape(values, [-1, self.dim])
 
     def _for_each_shard(self, flat_keys, rows, fn):
@@ -250,7 +256,7 @@ class Variable(tf.Module):
 
     def upsert(self, keys, values):
         """Stores `values` (``keys.shape + [dim]``) under `keys`."""
-        flat = self._keys(tf.reshape(tf.convert_to_tensor(keys, dtype_hint=self.key_dtype), [-1]))
+        flat = self._flat_keys(keys)
         rows = self._rows_arg(values)
         self._check_count(flat, rows)
         return tf.group(self._for_each_shard(flat, rows, lambda t, k, r: t.insert(k, r)))
@@ -258,7 +264,7 @@ class Variable(tf.Module):
     def accum(self, keys, deltas):
         """Adds `deltas` to the rows of `keys`; a key not stored yet starts from
         its initial row.  Duplicated keys add up."""
-        flat = self._keys(tf.reshape(tf.convert_to_tensor(keys, dtype_hint=self.key_dtype), [-1]))
+        flat = self._flat_keys(keys)
         rows = self._rows_arg(deltas, "deltas")
         self._check_count(flat, rows)
 
@@ -273,7 +279,7 @@ class Variable(tf.Module):
         state) and the change log, in one step of the write section: a
         training step never sees a key half removed.  Returns how many rows
         were removed (int64 scalar)."""
-        flat = self._keys(tf.reshape(tf.convert_to_tensor(keys, dtype_hint=self.key_dtype), [-1]))
+        flat = self._flat_keys(keys)
         return self._exclusively(flat, self._remove_everywhere)
 
     def _remove_everywhere(self, flat):
