@@ -334,9 +334,8 @@ class InsertOp : public TableOpBase<TK> {
     const char* src = values.tensor_data().data();
     const int64_t vb = table->value_bytes();
     KeyViews<TK> views(keys);
-    // Plain stores, also for big batches: a row's first line holds its key,
-    // just read (stored rows) or written (new rows), so it is cached, and
-    // streaming the rest measured slower (dim 64: 6.6M vs 9.5M new keys/s).
+    // Plain stores, also for big batches: streaming stores measured no
+    // faster for inserts (row_copy.h).
     try {
       table->core.Upsert(views.data, n, PoolOf(ctx),
                          [&](int64_t i, char* row, bool, uint64_t) { std::memcpy(row, src + i * vb, vb); });
