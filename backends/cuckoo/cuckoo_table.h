@@ -39,6 +39,7 @@
 #include <string_view>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <sys/mman.h>
@@ -119,11 +120,24 @@ inline void PrefetchLines(const char* p, int64_t bytes) {
   __builtin_prefetch(p + bytes - 1);  // the last line, when p is not line-aligned
 }
 
-// Allocator for big per-batch and per-shard arrays: blocks of at least
-// kHugePageChunkBytes are 2 MiB aligned and advised for transparent huge
-// pages (one fault per 2 MiB instead of per 4 KiB when they are first
+// Uninitialized memory of `bytes`, or nullptr when there is none: blocks of
+// at least kHugePageChunkBytes are 2 MiB aligned and advised for transparent
+// huge pages (one fault per 2 MiB instead of per 4 KiB when they are first
 // written, and fewer TLB misses under random access); smaller ones are
-// aligned as T asks (a bucket: one cache line).
+// aligned to `align`.  Pages are not touched here, so a big block costs
+// address space, not RSS, until it is written.  Release with std::free.
+inline void* AllocateAligned(size_t bytes, size_t align) {
+  void* mem = nullptr;
+  const bool huge = bytes >= static_cast<size_t>(kHugePageChunkBytes);
+  if (posix_memalign(&mem, huge ? static_cast<size_t>(kHugePageBytes) : align, bytes) != 0) return nullptr;
+#ifdef MADV_HUGEPAGE
+  if (huge) madvise(mem, bytes, MADV_HUGEPAGE);
+#endif
+  return mem;
+}
+
+// Allocator for big per-batch and per-shard arrays (AllocateAligned; small
+// blocks aligned as T asks, a bucket: one cache line).
 template <class T>
 struct HugePageAllocator {
   using value_type = T;
@@ -132,15 +146,7 @@ struct HugePageAllocator {
   HugePageAllocator(const HugePageAllocator<U>&) {}
   T* allocate(size_t count) {
     const size_t bytes = count * sizeof(T);
-    void* mem = nullptr;
-    if (bytes >= static_cast<size_t>(kHugePageChunkBytes)) {
-      if (posix_memalign(&mem, kHugePageBytes, bytes) != 0) mem = nullptr;
-#ifdef MADV_HUGEPAGE
-      if (mem != nullptr) madvise(mem, bytes, MADV_HUGEPAGE);
-#endif
-    } else if (posix_memalign(&mem, std::max(alignof(T), sizeof(void*)), bytes) != 0) {
-      mem = nullptr;
-    }
+    void* mem = AllocateAligned(bytes, std::max(alignof(T), sizeof(void*)));
     if (mem == nullptr) throw CapacityError("out of memory allocating " + std::to_string(bytes) + " bytes");
     return static_cast<T*>(mem);
   }
@@ -470,10 +476,15 @@ class CuckooShard {
     }
   }
 
-  Place Locate(int64_t row) const {
+  // The arena chunk of a row id, and the row's index inside it.
+  std::pair<int, int64_t> ChunkOf(int64_t row) const {
     const uint64_t q = static_cast<uint64_t>(row) + (uint64_t{1} << first_chunk_log2_);
     const int c = 63 - __builtin_clzll(q) - first_chunk_log2_;
-    const int64_t off = static_cast<int64_t>(q - (uint64_t{1} << (first_chunk_log2_ + c)));
+    return {c, static_cast<int64_t>(q - (uint64_t{1} << (first_chunk_log2_ + c)))};
+  }
+
+  Place Locate(int64_t row) const {
+    const auto [c, off] = ChunkOf(row);
     char* chunk = chunks_[c];
     return {chunk + off * stride_, chunk + ChunkRows(c) * stride_ + off * key_bytes_};
   }
@@ -488,8 +499,7 @@ class CuckooShard {
         throw CapacityError("a cuckoo shard is full (" + std::to_string(next_row_) +
                             " rows); spread the table over more shards (num_shards=)");
       row = static_cast<uint32_t>(next_row_++);
-      const uint64_t q = static_cast<uint64_t>(row) + (uint64_t{1} << first_chunk_log2_);
-      const int c = 63 - __builtin_clzll(q) - first_chunk_log2_;
+      const int c = ChunkOf(row).first;
       if (static_cast<size_t>(c) >= chunks_.size()) chunks_.push_back(AllocateChunk(ChunkBytes(c)));
       if ((row >> 6) >= live_.size()) live_.push_back(0);
       if constexpr (!Traits::kHashIsKey) side_keys_.emplace_back();
@@ -503,19 +513,10 @@ class CuckooShard {
     return row;
   }
 
-  // Chunks are 64-byte aligned, so rows whose size is a multiple of 64 fill
-  // whole cache lines.  malloc-style allocation, not new[](): pages of a
-  // fresh chunk are not touched until rows are written, so a big new chunk
-  // costs address space, not RSS.
+  // Chunks are at least 64-byte aligned, so rows whose size is a multiple of
+  // 64 fill whole cache lines; big ones use huge pages (AllocateAligned).
   static char* AllocateChunk(int64_t bytes) {
-    void* mem = nullptr;
-    const bool huge = bytes >= kHugePageChunkBytes;
-    // Big chunks are 2 MiB aligned and advised for transparent huge pages:
-    // 512x fewer page faults when rows are first written.
-    if (posix_memalign(&mem, huge ? kHugePageBytes : 64, bytes) != 0) mem = nullptr;
-#ifdef MADV_HUGEPAGE
-    if (huge && mem != nullptr) madvise(mem, bytes, MADV_HUGEPAGE);
-#endif
+    void* mem = AllocateAligned(static_cast<size_t>(bytes), 64);
     if (mem == nullptr)
       throw CapacityError("out of memory allocating " + std::to_string(bytes) + " bytes for a cuckoo shard");
     return static_cast<char*>(mem);
