@@ -19,7 +19,7 @@ def m(x: float) -> str:
     return f"{x / 1e6:.2f}M"
 
 
-def ceiling_row(t: dict, dims: list) -> str:
+def gather_reference_row(t: dict, dims: list) -> str:
     """The row of find_hit without a table: a dense TensorFlow gather (results
     from before it existed hold a single-threaded numpy gather instead)."""
     key = "dense_gather" if "dense_gather" in t["dims"][dims[0]]["tfde"] else "numpy_gather"
@@ -53,7 +53,7 @@ def tables(r: dict) -> list:
                 cells.append(f"{m(ours)} / {m(theirs)} ({ours / theirs:.2f}×)" if theirs else m(ours))
             label = op.replace("_batch_", f"_batch{t['batch']}_")
             out.append(f"| {label} | " + " | ".join(cells) + " |")
-        out.append(ceiling_row(t, dims))
+        out.append(gather_reference_row(t, dims))
         out.append("| memory B/row, tfde / TFRA (raw) | " + " | ".join(
             f"{t['dims'][d]['tfde']['rss_bytes_per_row']:.0f} / {t['dims'][d]['tfra'].get('rss_bytes_per_row', 0):.0f} "
             f"({8 + 4 * int(d)})" for d in dims) + " |")

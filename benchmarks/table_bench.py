@@ -176,10 +176,10 @@ def report(results: dict, n: int, batch: int) -> list:
             ref = theirs.get(op)
             lines.append(f"{label:<34}{dim:>5}{ours[op]:>14,.0f}" + (
                 f"{ref:>14,.0f}{ours[op] / ref:>10.2f}x" if ref else f"{'-':>14}{'-':>11}"))
-        ceiling = f"{'dense tf.gather (no table)':<34}{dim:>5}{ours['dense_gather']:>14,.0f}"
+        gather = f"{'dense tf.gather (no table)':<34}{dim:>5}{ours['dense_gather']:>14,.0f}"
         if "find_hit" in theirs:
-            ceiling += f"{'':>14}{ours['dense_gather'] / theirs['find_hit']:>10.2f}x"
-        lines.append(ceiling + f"   find_hit = {ours['find_hit'] / ours['dense_gather']:.2f}x of it")
+            gather += f"{'':>14}{ours['dense_gather'] / theirs['find_hit']:>10.2f}x"
+        lines.append(gather + f"   find_hit = {ours['find_hit'] / ours['dense_gather']:.2f}x of it")
         raw = 8 + 4 * dim
         mem = f"{'memory B/row (raw ' + str(raw) + ' B)':<34}{dim:>5}{ours['rss_bytes_per_row']:>14,.0f}"
         if "rss_bytes_per_row" in theirs:
