@@ -334,3 +334,98 @@ def test_table_store_mode_in_checkpoints(tag, tmp_path, mode):
             tf.train.Checkpoint(var=var).restore(path)
     else:
         assert not dumps and any("/rows/" in n for n in names) == (mode == 0)
+
+
+# ------------------------------------------------------------ opening: credentials and timeouts
+
+def _graph_bytes(graph) -> bytes:
+    return graph.as_graph_def().SerializeToString()  # nodes, attrs, constants and the function library
+
+
+def test_password_is_in_no_graph(protected_server):
+    """The password reaches the native ops without ever being a tensor: not
+    in a TF1 graph (where the variable is made inside the graph), not in a
+    tf.function's graph; and training against the protected server works."""
+    cfg = {"redis_host_port": protected_server, "redis_password": "s3cret", "model_tag_runtime": "pw"}
+    graph = tf.Graph()
+    with graph.as_default():
+        var = tfde.Variable("tf1", dim=2, initializer=0.0, table_creator=tfde.RedisTableCreator(cfg))
+        write = var.upsert(tf.constant([1, 2], tf.int64), tf.ones([2, 2]))
+        read = var.lookup(tf.constant([1, 2, 3], tf.int64))
+    assert b"s3cret" not in _graph_bytes(graph)
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(write)
+        assert sess.run(read).tolist() == [[1, 1], [1, 1], [0, 0]]
+
+    var = tfde.Variable("trained", dim=4, seed=2, table_creator=tfde.RedisTableCreator(cfg))
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tfde.embedding_lookup(var, ids, training=True) ** 2)
+        grads = tape.gradient(loss, [var.step_buffer])
+        opt.apply_gradients(zip(grads, [var.step_buffer]))
+        return loss
+
+    ids = tf.constant([1, 2, 3, 3], tf.int64)
+    eager_loss = float(step(ids))
+    traced = tf.function(step)
+    traced_loss = float(traced(ids))
+    assert traced_loss < eager_loss  # the eager step's update was written and read back
+    assert b"s3cret" not in _graph_bytes(traced.get_concrete_function(ids).graph)
+    assert int(var.size()) == 3
+    assert redis.Redis(port=protected_server, password="s3cret").exists("pw:trained/shard_0_of_1:{0}")
+
+
+def test_password_the_server_does_not_have_is_refused_at_open(tag):
+    creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "redis_password": "unneeded-pw"})
+    with pytest.raises(tfde.ConfigError, match="Redis at 127.0.0.1:6379 has no password, but redis_password is "
+                                               "set in the Redis config; remove redis_password") as info:
+        creator.create("t", tf.int64, tf.float32, 2)
+    assert "unneeded-pw" not in str(info.value)
+    assert not list(redis.Redis().scan_iter(match=f"{tag}:*"))  # refused before anything was written
+
+
+def test_missing_password_is_refused_at_open(protected_server):
+    with pytest.raises(tfde.ConfigError, match=f"Redis at 127.0.0.1:{protected_server} requires a password, but "
+                                               "redis_password is empty in the Redis config; set redis_password"):
+        tfde.RedisTableCreator({"redis_host_port": protected_server}).create("t", tf.int64, tf.float32, 2)
+
+
+def test_unknown_user_is_refused_at_open(protected_server):
+    creator = tfde.RedisTableCreator({"redis_host_port": protected_server, "redis_user": "bob",
+                                      "redis_password": "s3cret"})
+    with pytest.raises(tfde.ConfigError, match=f"Redis at 127.0.0.1:{protected_server} refused the credentials of "
+                                               "user 'bob' \\(WRONGPASS\\); check redis_user and redis_password"):
+        creator.create("t", tf.int64, tf.float32, 2)
+
+
+def test_sentinel_password_the_sentinel_does_not_have_is_refused_at_open():
+    sentinel_port, _ = redis_servers.sentinel()
+    creator = tfde.RedisTableCreator({"redis_connection_mode": 1, "redis_host_port": sentinel_port,
+                                      "redis_sentinel_password": "unneeded-pw", "model_tag_runtime": "sentinel-pw"})
+    with pytest.raises(tfde.ConfigError, match=f"Redis at 127.0.0.1:{sentinel_port} has no password, but "
+                                               "redis_sentinel_password is set"):
+        creator.create("t", tf.int64, tf.float32, 2)
+
+
+@pytest.mark.parametrize("field", ["redis_connect_timeout", "redis_socket_timeout", "redis_sentinel_connect_timeout",
+                                   "redis_sentinel_socket_timeout"])
+@pytest.mark.parametrize("value", [0, -5])
+def test_timeouts_below_one_millisecond_are_refused(field, value):
+    with pytest.raises(tfde.ConfigError, match=f"{field} must be a timeout of at least 1 millisecond, got {value}; "
+                                               "tfde has no \"no timeout\""):
+        tfde.RedisTableConfig.from_dict({field: value})
+
+
+def test_timeout_beyond_the_native_clients_range_is_refused():
+    with pytest.raises(tfde.ConfigError, match="redis_socket_timeout 2147483648 is too large; expected at most "
+                                               "2147483647 milliseconds"):
+        tfde.RedisTableConfig.from_dict({"redis_socket_timeout": 2**31})
+
+
+@pytest.mark.parametrize("field", ["redis_wait_timeout", "redis_connection_lifetime", "expire_model_tag_in_seconds",
+                                   "redis_db"])
+def test_negative_durations_are_refused(field):
+    with pytest.raises(tfde.ConfigError, match=f"{field} must be >= 0, got -1"):
+        tfde.RedisTableConfig.from_dict({field: -1})

@@ -383,8 +383,8 @@ def test_redis_serving_view_names_an_unreachable_server():
         view = RedisServingTable(table)
         view._attrs.update(servers=["127.0.0.1:1"], retries=1, connect_timeout_ms=200)
         with pytest.raises(tf.errors.UnavailableError,
-                           match=r"find of table 'serving_down': Redis \(server 127\.0\.0\.1:1\) unreachable "
-                                 r"after 2 attempts: cannot connect"):
+                           match=r"tfde\.BackendUnavailableError: Redis at 127\.0\.0\.1:1 unreachable during find of "
+                                 r"table 'serving_down' after 2 attempts: cannot connect"):
             view.find(tf.constant([1], tf.int64), INIT)
     finally:
         backend.cleanup()

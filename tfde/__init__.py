@@ -15,8 +15,8 @@ if (_major, _minor) < (2, 16):
 from tfde import errors, exchange, hashing, initializers, tables  # noqa: E402
 from tfde import saving  # noqa: E402  (registers the checkpoint saver)
 from tfde.admission import AdmissionFilter, CounterFilter, ProbabilityFilter  # noqa: E402
-from tfde.errors import (BackendUnavailableError, CapacityError, CheckpointError, ConfigError,  # noqa: E402
-                         ShapeError, TfdeError, UnsupportedOptimizerError)
+from tfde.errors import (BackendError, BackendUnavailableError, CapacityError, CheckpointError,  # noqa: E402
+                         ConfigError, CredentialsError, ShapeError, TfdeError, UnsupportedOptimizerError)
 from tfde.lookup import embedding_lookup, embedding_lookup_ragged, embedding_lookup_sparse  # noqa: E402
 from tfde.optimizer import DynamicEmbeddingOptimizer  # noqa: E402
 from tfde.policy import (AutoRestrictor, FrequencyRestrictPolicy, RestrictPolicy,  # noqa: E402
@@ -40,5 +40,6 @@ __all__ = [
     "DynamicEmbeddingOptimizer", "CuckooTableCreator", "RedisTableConfig", "RedisTableCreator", "Table", "TableCreator", "RestrictPolicy", "FrequencyRestrictPolicy", "TimestampRestrictPolicy", "TTLPolicy", "AutoRestrictor", "AdmissionFilter", "CounterFilter", "ProbabilityFilter",
     "CheckpointManager", "export_for_serving", "export_changes",
     "TfdeError", "CheckpointError", "ConfigError", "ShapeError", "CapacityError", "BackendUnavailableError",
+    "BackendError", "CredentialsError",
     "UnsupportedOptimizerError", "errors", "hashing", "initializers", "tables", "keras",
 ]

@@ -29,6 +29,7 @@ _SOURCES = ("cuckoo/hash.h", "cuckoo/init_rows.h", "cuckoo/row_copy.h", "cuckoo/
 _UNITS = ("cuckoo/ops.cc", "redis/ops.cc")  # compiled into the one library
 _lock = threading.Lock()
 _ops = None
+_loaded_path = None  # the file _ops was loaded from (see loaded_path)
 
 
 def source_dir() -> Path:
@@ -118,7 +119,7 @@ def build(force: bool = False, verbose: bool = False) -> Path:
 
 def load():
     """The loaded op module (tf.load_op_library), building it if needed."""
-    global _ops
+    global _ops, _loaded_path
     if _ops is not None:
         return _ops
     with _lock:
@@ -127,16 +128,27 @@ def load():
 
             path = build()
             try:
-                _ops = tf.load_op_library(str(path))
+                ops = tf.load_op_library(str(path))
             except tf.errors.NotFoundError as e:
                 # A library left from another TF build (same version string,
                 # different ABI): rebuild once, then give up with the cause.
                 path = build(force=True)
                 try:
-                    _ops = tf.load_op_library(str(path))
+                    ops = tf.load_op_library(str(path))
                 except tf.errors.NotFoundError:
                     raise BuildError(
                         f"the tfde op library {path} does not load into TensorFlow {tf.__version__}: {e}. "
                         "Delete the cache directory and retry, or run `tfde build --force`."
                     ) from e
+            _loaded_path = path  # before _ops: a reader that sees _ops sees the path
+            _ops = ops
     return _ops
+
+
+def loaded_path() -> Path:
+    """The file the op library was loaded from (loading it if needed): the
+    library this process uses, even when the sources changed since, so that
+    its plain C entry points can be called through ctypes (see
+    tfde/tables/redis_table.py, which hands passwords over that way)."""
+    load()
+    return _loaded_path

@@ -22,6 +22,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/logging.h"
 
 namespace tfde {
 namespace {
@@ -53,9 +54,10 @@ uint64_t HashOf(const TK& key) {
   }
 }
 
-// Passwords registered by the process (tfde.RedisTableCreator) under an id,
-// so they never appear in a graph: the ops name the id.  Serving processes
-// give them in environment variables instead.
+// Passwords registered by the process (tfde.RedisTableCreator, through
+// tfde_redis_register_credentials at the end of this file) under an id, so
+// they never appear in a graph: the ops name the id.  Serving processes give
+// them in environment variables instead.
 struct Credentials {
   std::string password, sentinel_password;
 };
@@ -65,18 +67,37 @@ std::map<std::string, Credentials>& CredentialsRegistry() {
   return *registry;
 }
 
-class RegisterCredentialsOp : public OpKernel {
- public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    for (int i = 0; i < 3; ++i)
-      OP_REQUIRES(ctx, ctx->input(i).dims() == 0,
-                  errors::InvalidArgument("credentials are scalars, got shape ", ctx->input(i).shape().DebugString()));
-    std::lock_guard<std::mutex> lock(credentials_mu);
-    CredentialsRegistry()[std::string(ctx->input(0).scalar<tstring>()())] =
-        Credentials{std::string(ctx->input(1).scalar<tstring>()()), std::string(ctx->input(2).scalar<tstring>()())};
+// Hints of Fail's messages; tfde/tables/redis_table.py says the same.
+constexpr char kOutOfMemoryHint[] =
+    "free memory on the server or raise its maxmemory, then run the step again";
+constexpr char kCredentialsHint[] = "check redis_user and redis_password in the Redis config";
+
+// The attrs of error handling (see TFDE_REDIS_ATTRS): error_kinds entries
+// "CODE=kind" (tfde/errors.py REDIS_ERROR_KINDS), the table's meta key and
+// what to do when it is gone.
+::tensorflow::Status ReadErrorAttrs(OpKernelConstruction* ctx, resp::Config* config) {
+  std::vector<std::string> kinds;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("error_kinds", &kinds));
+  static const std::map<std::string, resp::ErrorKind> kByName = {
+      {"transient", resp::ErrorKind::kTransient}, {"refused", resp::ErrorKind::kRefused},
+      {"capacity", resp::ErrorKind::kCapacity}, {"credentials", resp::ErrorKind::kCredentials}};
+  for (const std::string& entry : kinds) {
+    const size_t eq = entry.find('=');
+    auto it = eq == std::string::npos ? kByName.end() : kByName.find(entry.substr(eq + 1));
+    if (it == kByName.end())
+      return errors::InvalidArgument("error_kinds entries must be CODE=transient|refused|capacity|credentials, got '",
+                                     entry, "'");
+    config->error_kinds[entry.substr(0, eq)] = it->second;
   }
-};
+  TF_RETURN_IF_ERROR(ctx->GetAttr("table_name", &config->table_name));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("meta_key", &config->meta_key));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("meta", &config->meta_value));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("recreate_meta", &config->recreate_meta));
+  if (config->recreate_meta && config->meta_value.empty())
+    return errors::InvalidArgument("recreate_meta needs the meta value to write");
+  config->on_recreate = [](const std::string& message) { LOG(WARNING) << "tfde: " << message; };
+  return ::absl::OkStatus();
+}
 
 // Attrs every Redis op shares: where the table lives and how to connect.
 class RedisOpBase : public OpKernel {
@@ -138,6 +159,7 @@ class RedisOpBase : public OpKernel {
     config.connect_timeout_ms = static_cast<int>(connect_ms);
     config.socket_timeout_ms = static_cast<int>(socket_ms);
     config.retries = static_cast<int>(retries);
+    OP_REQUIRES_OK(ctx, ReadErrorAttrs(ctx, &config));
     client_ = std::make_unique<resp::Client>(std::move(config));
   }
 
@@ -160,16 +182,44 @@ class RedisOpBase : public OpKernel {
     }
   }
 
-  // Fails ctx with an error naming the servers, the operation and the table.
+  // Fails ctx with an error naming the servers, the operation and the table,
+  // under the TF code of the tfde error class it stands for and with the
+  // text that class carries eagerly, after its name (tfde/errors.py:
+  // graph_message / from_op_error).  The texts are those of
+  // RedisTable._call's errors (tfde/tables/redis_table.py), so the redis-py
+  // path and the native one say the same thing.
   void Fail(OpKernelContext* ctx, const char* op, const std::exception& e) const {
     const auto* redis_error = dynamic_cast<const resp::Error*>(&e);
-    const std::string what = std::string(op) + " of table '" + table_name_ + "': " + e.what();
+    const std::string at = "Redis at " + client_->Servers();
+    const std::string during = std::string(op) + " of table '" + table_name_ + "'";
     if (redis_error == nullptr) {
-      ctx->CtxFailure(errors::InvalidArgument("tfde Redis ", what));
-    } else if (redis_error->transient()) {
-      ctx->CtxFailure(errors::Unavailable("tfde Redis ", what));
-    } else {
-      ctx->CtxFailure(errors::FailedPrecondition("tfde Redis ", what));
+      if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
+        ctx->CtxFailure(errors::ResourceExhausted("tfde.CapacityError: this process ran out of memory during ",
+                                                  during, " (", e.what(), "); use smaller batches"));
+      } else {  // a row of another size (std::length_error): the table holds other data
+        ctx->CtxFailure(errors::InvalidArgument("tfde.ShapeError: ", during, ": ", e.what()));
+      }
+      return;
+    }
+    switch (redis_error->kind()) {
+      case resp::ErrorKind::kTransient:
+        ctx->CtxFailure(errors::Unavailable("tfde.BackendUnavailableError: ", at, " unreachable during ", during,
+                                            " after ", client_->attempts(), " attempts: ", e.what()));
+        break;
+      case resp::ErrorKind::kCapacity:
+        ctx->CtxFailure(errors::ResourceExhausted("tfde.CapacityError: ", at, " is out of memory during ", during,
+                                                  ": ", e.what(), "; ", kOutOfMemoryHint));
+        break;
+      case resp::ErrorKind::kCredentials:
+        ctx->CtxFailure(errors::FailedPrecondition("tfde.CredentialsError: ", at, " refused the credentials during ",
+                                                   during, ": ", e.what(), "; ", kCredentialsHint));
+        break;
+      case resp::ErrorKind::kTableLost:
+        ctx->CtxFailure(errors::FailedPrecondition("tfde.BackendError: ", e.what()));
+        break;
+      case resp::ErrorKind::kRefused:
+        ctx->CtxFailure(errors::FailedPrecondition("tfde.BackendError: ", at, " refused ", during, ": ", e.what()));
+        break;
     }
   }
 
@@ -320,16 +370,14 @@ class RedisInsertOp : public RedisOpBase {
       .Attr("sentinel_password_env: string = ''")                 \
       .Attr("connect_timeout_ms: int = 1000")                     \
       .Attr("socket_timeout_ms: int = 1000")                      \
-      .Attr("retries: int = 4")
-
-REGISTER_OP("TfdeRedisRegisterCredentials")
-    .Input("id: string")
-    .Input("password: string")
-    .Input("sentinel_password: string")
-    .SetIsStateful()
-    .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
-REGISTER_KERNEL_BUILDER(Name("TfdeRedisRegisterCredentials").Device(::tensorflow::DEVICE_CPU),
-                        RegisterCredentialsOp);
+      .Attr("retries: int = 4")                                   \
+      .Attr("error_kinds: list(string) = []")                     \
+      .Attr("meta_key: string = ''")                              \
+      .Attr("meta: string = ''")                                  \
+      .Attr("recreate_meta: bool = false")                        \
+      /* A Redis op talks to a server over the network: without this, */ \
+      /* TF's executor turns its UNAVAILABLE into INTERNAL in graphs. */  \
+      .SetIsDistributedCommunication()
 
 REGISTER_OP("TfdeRedisInsert")
     .Input("keys: Tkey")
@@ -353,6 +401,7 @@ REGISTER_OP("TfdeRedisFind")
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
       int64_t dim;
       TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      TF_RETURN_IF_ERROR(CheckDimAttr(dim));  // a negative dim would abort in Matrix()
       ::tensorflow::shape_inference::ShapeHandle keys;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &keys));
       c->set_output(0, c->Matrix(c->Dim(keys, 0), dim));
@@ -369,5 +418,278 @@ TFDE_REGISTER_REDIS(int32_t);
 TFDE_REGISTER_REDIS(int64_t);
 TFDE_REGISTER_REDIS(tstring);
 
+// ------------------------------------------------------------ status of Python ops
+// TfdeRaiseIfError: passes `values` through, or fails with `code` and
+// `message` when code is not 0 (OK).  The Redis operations that run in
+// redis-py inside tf.numpy_function (tfde/tables/redis_table.py _py_op)
+// return their tfde error as (code, message) instead of raising it, because
+// TensorFlow reports any Python exception raised there as UNKNOWN in graphs;
+// this op gives it back its own code (UNAVAILABLE, FAILED_PRECONDITION, ...)
+// and text.
+class RaiseIfErrorOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    const int n = ctx->num_inputs() - 2;
+    const Tensor& code = ctx->input(n);
+    const Tensor& message = ctx->input(n + 1);
+    OP_REQUIRES(ctx, code.dims() == 0 && message.dims() == 0,
+                errors::InvalidArgument("code and message must be scalars, got shapes ", code.shape().DebugString(),
+                                        " and ", message.shape().DebugString()));
+    const int c = code.scalar<int32_t>()();
+    if (c != 0) {
+      const bool known = c > 0 && c <= static_cast<int>(::absl::StatusCode::kUnauthenticated);
+      ctx->CtxFailure(::absl::Status(known ? static_cast<::absl::StatusCode>(c) : ::absl::StatusCode::kUnknown,
+                                     std::string(message.scalar<tstring>()())));
+      return;
+    }
+    for (int i = 0; i < n; ++i) ctx->set_output(i, ctx->input(i));
+  }
+};
+
+REGISTER_OP("TfdeRaiseIfError")
+    .Input("values: T")
+    .Input("code: int32")
+    .Input("message: string")
+    .Output("out: T")
+    .Attr("T: list(type) >= 0")
+    .SetIsStateful()                  // never pruned or folded: its failure is the point
+    .SetIsDistributedCommunication()  // keeps UNAVAILABLE in graphs (see TFDE_REDIS_ATTRS)
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
+      return ::absl::OkStatus();
+    });
+REGISTER_KERNEL_BUILDER(Name("TfdeRaiseIfError").Device(::tensorflow::DEVICE_CPU), RaiseIfErrorOp);
+// ------------------------------------------------------------ end of status of Python ops
+
+// ------------------------------------------------------------ grouped insert
+// TfdeRedisInsertGroup: a training step's writes of its keys to several
+// tables of one RedisTableCreator (a Variable's row table, its optimizer
+// slots, its policy state), all-or-nothing per key: a failed step must not
+// leave a key's row without its slots.  The tables share storage_slice and
+// hash tags, so a key falls in bucket b of every table and bucket b of every
+// table lies in one cluster slot (tfde/tables/redis_table.py's layout).  The
+// writes go out as MULTI, HSET ..., EXEC transactions: on a cluster one per
+// bucket (a transaction may not span slots), on a single server (standalone
+// or the sentinels' master) one for the whole call, so a failed call there
+// writes nothing at all.  Each HSET holds one table's rows of at most `chunk`
+// keys of that bucket.
+//
+// Failures: a connection lost before EXEC makes the server discard the
+// transaction; one lost after it leaves it applied; either way the client's
+// retry sends it again, and a transaction of absolute values applied twice
+// equals once.  A command refused at queue time (OOM, a wrong argument)
+// aborts the transaction (EXECABORT): nothing of it is applied, and the op
+// fails.  An error inside the EXEC reply (a command that failed while the
+// transaction ran, e.g. WRONGTYPE when a bucket key holds a string) means the
+// rest of that transaction was applied: the op fails naming the table and
+// bucket.
+template <class TK>
+class RedisInsertGroupOp : public RedisOpBase {
+ public:
+  explicit RedisInsertGroupOp(OpKernelConstruction* ctx) : RedisOpBase(ctx) {
+    if (!ctx->status().ok()) return;
+    int64_t mode;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("mode", &mode));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("Tothers", &other_dtypes_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("other_dims", &other_dims_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("other_buckets", &other_buckets_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("other_names", &other_names_));
+    const size_t k = other_dtypes_.size(), nb = buckets_.size();
+    OP_REQUIRES(ctx, other_dims_.size() == k && other_names_.size() == k && other_buckets_.size() == k * nb,
+                errors::InvalidArgument("TfdeRedisInsertGroup of ", Describe(), " with ", k,
+                                        " other tables needs one dim and one name per table and ", nb,
+                                        " buckets per table; got ", other_dims_.size(), " dims, ",
+                                        other_names_.size(), " names and ", other_buckets_.size(), " buckets"));
+    for (size_t t = 0; t < k; ++t) {
+      OP_REQUIRES(ctx, other_dims_[t] >= 1 && other_dims_[t] <= kMaxDim,
+                  errors::InvalidArgument("dim of table '", other_names_[t], "' must be between 1 and ", kMaxDim,
+                                          ", got ", other_dims_[t]));
+      // A transaction may only touch keys of one cluster slot: bucket b of
+      // every table must share the slot of this table's bucket b.
+      for (size_t b = 0; mode == 0 && b < nb; ++b) {
+        const std::string& other = other_buckets_[t * nb + b];
+        OP_REQUIRES(ctx, resp::KeySlot(other) == resp::KeySlot(buckets_[b]),
+                    errors::InvalidArgument("bucket ", b, " of table '", other_names_[t], "' (", other,
+                                            ") is in cluster slot ", resp::KeySlot(other), " but bucket ", b,
+                                            " of table '", table_name_, "' (", buckets_[b], ") is in slot ",
+                                            resp::KeySlot(buckets_[b]),
+                                            "; tables written together must share their hash tags"));
+      }
+    }
+    per_bucket_ = mode == 0;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& keys = ctx->input(0);
+    OP_REQUIRES(ctx, keys.dims() == 1,
+                errors::InvalidArgument("keys must be a vector, got shape ", keys.shape().DebugString()));
+    const int64_t n = keys.dim_size(0);
+    ::tensorflow::OpInputList others;
+    OP_REQUIRES_OK(ctx, ctx->input_list("others", &others));
+    const size_t tables = 1 + static_cast<size_t>(others.size());
+    OP_REQUIRES(ctx, tables == 1 + other_dims_.size(),
+                errors::InvalidArgument("got ", others.size(), " tensors of other rows for ", other_dims_.size(),
+                                        " other tables"));
+    // Every shape is checked before anything is read or sent.
+    std::vector<const char*> rows(tables);
+    std::vector<size_t> row_bytes(tables);
+    for (size_t t = 0; t < tables; ++t) {
+      const Tensor& v = t == 0 ? ctx->input(1) : others[static_cast<int>(t - 1)];
+      const int64_t dim = t == 0 ? dim_ : other_dims_[t - 1];
+      OP_REQUIRES(ctx, v.dims() == 2 && v.dim_size(0) == n && v.dim_size(1) == dim,
+                  errors::InvalidArgument("rows for table '", TableName(t), "' must have shape [", n, ", ", dim,
+                                          "] for ", n, " keys and a ", DataTypeString(v.dtype()), "[", dim,
+                                          "] table, got ", v.shape().DebugString()));
+      rows[t] = v.tensor_data().data();
+      row_bytes[t] = static_cast<size_t>(dim) * ::tensorflow::DataTypeSize(v.dtype());
+    }
+    Tensor* written = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &written));
+    written->scalar<int64_t>()() = n;
+    if (n == 0) return;
+    std::vector<uint64_t> hashes;
+    std::vector<std::string> fields;
+    std::vector<std::vector<int64_t>> by_bucket;
+    Route<TK>(keys, &hashes, &fields, &by_bucket);
+
+    // commands: per transaction MULTI, its HSETs, EXEC.  role[c] is -1 for a
+    // MULTI, -2 for an EXEC, else the index into queued[tx_of[c]] of the HSET.
+    const size_t nb = buckets_.size();
+    std::vector<resp::Command> commands;
+    std::vector<size_t> tx_of;
+    std::vector<int64_t> role;
+    std::vector<std::vector<std::pair<size_t, size_t>>> queued;  // per transaction: (table, bucket) of each HSET
+    auto add = [&](resp::Command c, int64_t r) {
+      commands.push_back(std::move(c));
+      tx_of.push_back(queued.size() - 1);
+      role.push_back(r);
+    };
+    for (size_t b = 0; b < nb; ++b) {
+      if (by_bucket[b].empty()) continue;
+      if (per_bucket_ || queued.empty()) {
+        queued.emplace_back();
+        add(resp::Command{buckets_[b], {"MULTI"}}, -1);
+      }
+      for (size_t t = 0; t < tables; ++t) {
+        const std::string& bucket = BucketOf(t, b);
+        for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
+          resp::Command c{bucket, {"HSET", bucket}};
+          for (size_t j = s; j < std::min(s + chunk_, by_bucket[b].size()); ++j) {
+            const int64_t i = by_bucket[b][j];
+            c.args.push_back(fields[i]);
+            c.args.emplace_back(rows[t] + i * row_bytes[t], row_bytes[t]);
+          }
+          add(std::move(c), static_cast<int64_t>(queued.back().size()));
+          queued.back().emplace_back(t, b);
+        }
+      }
+      if (per_bucket_) add(resp::Command{buckets_[b], {"EXEC"}}, -2);
+    }
+    if (!per_bucket_) add(resp::Command{commands.front().key, {"EXEC"}}, -2);
+
+    // Replies are judged after the pipeline: a retry delivers a transaction
+    // again from its MULTI, which resets its verdict (the last delivery counts).
+    std::vector<std::string> problem(queued.size());
+    auto judge = [&](size_t c, const resp::Reply& r) {
+      const size_t tx = tx_of[c];
+      if (role[c] == -1) {
+        problem[tx].clear();
+        if (r.type != resp::Reply::kStatus || r.str != "OK") problem[tx] = "MULTI was not acknowledged";
+      } else if (role[c] >= 0) {
+        if (r.type != resp::Reply::kStatus || r.str != "QUEUED")
+          problem[tx] = "HSET " + BucketOf(queued[tx][role[c]].first, queued[tx][role[c]].second) +
+                        " was not queued; the transaction was not applied";
+      } else if (r.type == resp::Reply::kNil) {
+        problem[tx] = "EXEC discarded the transaction; none of its writes were applied";
+      } else if (r.type != resp::Reply::kArray || r.elements.size() != queued[tx].size()) {
+        problem[tx] = "EXEC sent a malformed reply (" + std::to_string(r.elements.size()) + " results for " +
+                      std::to_string(queued[tx].size()) + " commands); the transaction's outcome is unknown";
+      } else {
+        for (size_t j = 0; j < r.elements.size(); ++j) {
+          if (r.elements[j].type != resp::Reply::kError) continue;
+          const auto& [t, b] = queued[tx][j];
+          problem[tx] = "HSET " + BucketOf(t, b) + " (table '" + TableName(t) + "', bucket " + std::to_string(b) +
+                        ") failed inside the transaction: " + r.elements[j].str +
+                        "; its other writes were applied, so keys of bucket " + std::to_string(b) +
+                        " may be written to some of the tables and not to others";
+          break;
+        }
+      }
+    };
+    const std::string what = "grouped insert into " + std::to_string(tables) + " tables";
+    try {
+      client_->Pipeline(commands, judge);
+    } catch (const resp::Error& e) {
+      // A transaction refused by the server (EXECABORT) or never sent
+      // (unreachable) was applied to none of its keys.
+      Fail(ctx, what.c_str(),
+           resp::Error(std::string(e.what()) + " (a key's writes to all " + std::to_string(tables) +
+                           " tables are applied together or not at all)",
+                       e.kind()));
+      return;
+    } catch (const std::exception& e) {
+      Fail(ctx, what.c_str(), e);
+      return;
+    }
+    for (const std::string& p : problem)
+      if (!p.empty()) {
+        Fail(ctx, what.c_str(), resp::Error(p, resp::ErrorKind::kRefused));
+        return;
+      }
+  }
+
+ private:
+  const std::string& BucketOf(size_t table, size_t bucket) const {
+    return table == 0 ? buckets_[bucket] : other_buckets_[(table - 1) * buckets_.size() + bucket];
+  }
+  const std::string& TableName(size_t table) const {
+    return table == 0 ? table_name_ : other_names_[table - 1];
+  }
+
+  std::vector<DataType> other_dtypes_;
+  std::vector<int64_t> other_dims_;
+  std::vector<std::string> other_buckets_;  // table-major: other table t's bucket b at t * nb + b
+  std::vector<std::string> other_names_;
+  bool per_bucket_ = true;                  // cluster: one transaction per bucket (slot)
+};
+
+REGISTER_OP("TfdeRedisInsertGroup")
+    .Input("keys: Tkey")
+    .Input("values: Tvalue")
+    .Input("others: Tothers")
+    .Output("written: int64")
+    .TFDE_REDIS_ATTRS
+    .Attr("Tothers: list({float, double, half, bfloat16}) >= 1")
+    .Attr("other_dims: list(int)")
+    .Attr("other_buckets: list(string)")
+    .Attr("other_names: list(string)")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+#define TFDE_REGISTER_REDIS_GROUP(TK)                                                          \
+  REGISTER_KERNEL_BUILDER(                                                                    \
+      Name("TfdeRedisInsertGroup").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
+      RedisInsertGroupOp<TK>)
+TFDE_REGISTER_REDIS_GROUP(int32_t);
+TFDE_REGISTER_REDIS_GROUP(int64_t);
+TFDE_REGISTER_REDIS_GROUP(tstring);
+// ------------------------------------------------------------ end of grouped insert
+
 }  // namespace
 }  // namespace tfde
+
+// Registers the passwords of a RedisTableCreator under `id` (see
+// CredentialsRegistry).  A plain C function that tfde/tables/redis_table.py
+// calls through ctypes on the loaded op library, so that a password never
+// becomes a tensor, an attr or a graph constant in any mode (eager,
+// tf.function, TF1 graphs).  Lengths are explicit: a password may hold any
+// bytes.  Returns 0.
+extern "C" __attribute__((visibility("default"))) int tfde_redis_register_credentials(
+    const char* id, size_t id_len, const char* password, size_t password_len, const char* sentinel_password,
+    size_t sentinel_password_len) {
+  std::lock_guard<std::mutex> lock(tfde::credentials_mu);
+  tfde::CredentialsRegistry()[std::string(id, id_len)] = tfde::Credentials{
+      std::string(password, password_len), std::string(sentinel_password, sentinel_password_len)};
+  return 0;
+}

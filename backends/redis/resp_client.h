@@ -4,8 +4,16 @@
 // includes.
 //
 // Only what the ops need: AUTH, SELECT, CLUSTER SLOTS, SENTINEL
-// get-master-addr-by-name, and the idempotent commands they pipeline.
-// Commands for one node are sent together and their replies read in order.
+// get-master-addr-by-name, EXISTS / SET NX of a table's meta key, and the
+// idempotent commands they pipeline.  Commands for one node are sent together
+// and their replies read in order.
+//
+// The stream stays in step: every reply of a pipeline is read before any
+// error reply is acted on, and a connection whose stream is not known to be
+// in step (a failure mid-write or mid-read, a malformed reply, a timeout) is
+// closed, never used again.  Error replies are classified by their code (the
+// first word) with the table the ops receive from tfde/errors.py
+// (REDIS_ERROR_KINDS): "not now" is retried with backoff, "no" fails at once.
 //
 // Thread-safety: a Client may be used from several threads; calls are
 // serialized by its mutex (one connection per node).
@@ -45,16 +53,41 @@ constexpr int kBackoffBaseMs = 50;   // first retry delay; doubles per retry
 constexpr int kBackoffMaxMs = 1000;  // longest delay between retries
 constexpr size_t kReadChunk = 1 << 16;
 
-// A failure talking to a server.  transient: the connection broke or timed
-// out (worth a retry); otherwise the server answered with an error.
+constexpr int64_t kMaxBulkBytes = int64_t{512} << 20;  // Redis's own proto-max-bulk-len default
+constexpr int64_t kMaxReserve = 1 << 16;                // array slots reserved up front; more grow as read
+
+// What a failure means for the caller (tfde/errors.py names the classes):
+enum class ErrorKind {
+  kTransient,    // the connection broke or timed out, a reply was malformed, or the server said "not
+                 // now" (LOADING, BUSY, ...): retried; BackendUnavailableError when retries run out
+  kRefused,      // the server said no (WRONGTYPE, NOSCRIPT, ERR ...): BackendError, at once
+  kCapacity,     // the server is out of memory (OOM): CapacityError, at once
+  kCredentials,  // NOAUTH, WRONGPASS, NOPERM: CredentialsError, at once
+  kTableLost,    // a table's meta key is gone (the server restarted empty or was flushed): BackendError
+};
+
+// A failure talking to a server.
 class Error : public std::runtime_error {
  public:
-  Error(const std::string& what, bool transient) : std::runtime_error(what), transient_(transient) {}
-  bool transient() const { return transient_; }
+  Error(const std::string& what, ErrorKind kind) : std::runtime_error(what), kind_(kind) {}
+  // transient: kTransient, else kRefused.
+  Error(const std::string& what, bool transient)
+      : Error(what, transient ? ErrorKind::kTransient : ErrorKind::kRefused) {}
+  ErrorKind kind() const { return kind_; }
+  bool transient() const { return kind_ == ErrorKind::kTransient; }
 
  private:
-  bool transient_;
+  ErrorKind kind_;
 };
+
+// The code of an error reply: its first word ("WRONGTYPE", "LOADING", ...).
+inline std::string_view ErrorCode(std::string_view reply) { return reply.substr(0, reply.find(' ')); }
+
+// MOVED / ASK: the cluster redirects the command to another node.
+inline bool IsRedirect(std::string_view reply) {
+  const std::string_view code = ErrorCode(reply);
+  return code == "MOVED" || code == "ASK";
+}
 
 struct Reply {
   enum Type { kStatus, kError, kInteger, kBulk, kNil, kArray } type = kNil;
@@ -136,6 +169,7 @@ class Connection {
           r.type = Reply::kNil;
           break;
         }
+        if (n > kMaxBulkBytes) throw Error(Address() + " sent a malformed bulk length " + std::to_string(n), true);
         r.type = Reply::kBulk;
         r.str = ReadExact(static_cast<size_t>(n));
         if (ReadExact(2) != "\r\n") throw Error(Address() + " sent a malformed bulk reply", true);
@@ -148,7 +182,7 @@ class Connection {
           break;
         }
         r.type = Reply::kArray;
-        r.elements.reserve(static_cast<size_t>(n));
+        r.elements.reserve(static_cast<size_t>(std::min(n, kMaxReserve)));
         for (int64_t i = 0; i < n; ++i) r.elements.push_back(Read());
         break;
       }
@@ -158,13 +192,11 @@ class Connection {
     return r;
   }
 
-  // Sends one command and returns its reply; an error reply throws.
-  Reply Call(const std::vector<std::string_view>& args) {
+  // Sends one command and returns its reply, an error reply included.
+  Reply Exchange(const std::vector<std::string_view>& args) {
     Append(args);
     Flush();
-    Reply r = Read();
-    if (r.type == Reply::kError) throw Error(Address() + " answered " + std::string(args[0]) + ": " + r.str, false);
-    return r;
+    return Read();
   }
 
  private:
@@ -286,6 +318,18 @@ struct Config {
   int connect_timeout_ms = 1000;
   int socket_timeout_ms = 1000;
   int retries = 4;
+  // Kinds of error replies by code (tfde/errors.py REDIS_ERROR_KINDS); a
+  // code not listed is kRefused.  MOVED / ASK are followed, never errors.
+  std::map<std::string, ErrorKind, std::less<>> error_kinds;
+  // The table's meta key ("" for none).  Each new connection to the node
+  // holding it checks that it still exists: a server restarted without
+  // persistence (or flushed) comes back empty, and reading on would hand out
+  // initial rows for trained keys.  With recreate_meta the key is written
+  // again (SET NX meta_value) instead and on_recreate is told.
+  std::string table_name;  // for messages
+  std::string meta_key, meta_value;
+  bool recreate_meta = false;
+  std::function<void(const std::string&)> on_recreate;
 };
 
 // One command of a pipeline: `key` (a Redis key the command touches) routes
@@ -296,16 +340,21 @@ struct Command {
 };
 
 // Runs pipelines of idempotent commands (HMGET, HSET) against the servers of
-// a Config, reconnecting and retrying (with backoff) when a connection breaks
-// or a cluster slot moves.
+// a Config, reconnecting and retrying (with backoff) when a connection breaks,
+// a server answers "not now", or a cluster slot moves.
 class Client {
  public:
   explicit Client(Config config) : config_(std::move(config)) {}
 
   // Sends `commands` (pipelined per node) and passes each reply to
-  // deliver(i, reply) in command order per node.  On a retry every command
-  // runs again (so deliver may see a command twice; the last call counts).
-  // An error reply throws a non-transient Error naming the server.
+  // deliver(i, reply) in command order per node; error replies are never
+  // delivered.  On a retry every command runs again (so deliver may see a
+  // command twice; the last call counts).  Throws an Error naming the
+  // server: a permanent one (kRefused, kCapacity, kCredentials, kTableLost)
+  // at once, a transient one once config.retries retries failed.  An
+  // exception thrown by deliver propagates (after the node's other replies
+  // are read, so the connection stays in step) and is not retried unless it
+  // is a transient Error.
   void Pipeline(const std::vector<Command>& commands, const std::function<void(size_t, const Reply&)>& deliver) {
     std::lock_guard<std::mutex> lock(mu_);
     std::string last;
@@ -320,20 +369,35 @@ class Client {
       } catch (const Error& e) {
         if (!e.transient()) throw;
         last = e.what();
-        connections_.clear();  // reconnect (and rediscover) on the next attempt
+        // Reconnect (and find the master or the slots again) on the next
+        // attempt: a "not now" such as READONLY or MASTERDOWN may mean the
+        // master moved.
+        connections_.clear();
         discovered_ = false;
       }
     }
-    throw Error("Redis (" + Describe() + ") unreachable after " + std::to_string(config_.retries + 1) +
-                    " attempts: " + last,
-                true);
+    throw Error(last, ErrorKind::kTransient);
+  }
+
+  // How many times Pipeline tries before a transient error is final.
+  int attempts() const { return config_.retries + 1; }
+
+  // "host:port, host:port" of the configured servers (sentinels in mode 1),
+  // as tfde's Python side names them (RedisTableConfig.describe_servers).
+  std::string Servers() const {
+    std::string s;
+    for (size_t i = 0; i < config_.servers.size(); ++i)
+      s += (i ? ", " : "") + config_.servers[i].first + ":" + std::to_string(config_.servers[i].second);
+    return s;
   }
 
   std::string Describe() const {
-    std::string s = config_.mode == 0 ? "cluster " : config_.mode == 1 ? "sentinels " : "server ";
-    for (size_t i = 0; i < config_.servers.size(); ++i)
-      s += (i ? "," : "") + config_.servers[i].first + ":" + std::to_string(config_.servers[i].second);
-    return s;
+    return (config_.mode == 0 ? "cluster " : config_.mode == 1 ? "sentinels " : "server ") + Servers();
+  }
+
+  ErrorKind KindOf(std::string_view reply) const {
+    auto it = config_.error_kinds.find(ErrorCode(reply));
+    return it == config_.error_kinds.end() ? ErrorKind::kRefused : it->second;
   }
 
  private:
@@ -344,28 +408,59 @@ class Client {
     for (size_t i = 0; i < commands.size(); ++i) by_node[NodeOf(commands[i].key)].push_back(i);
     for (const auto& [node, list] : by_node) {
       Connection& c = ConnectionTo(node);
-      for (size_t i : list) c.Append(commands[i].args);
-      c.Flush();
       bool moved = false;
-      for (size_t i : list) {  // read every reply, even after a MOVED, to keep the stream in step
-        Reply r = c.Read();
-        if (r.type == Reply::kError) {
-          if (r.str.rfind("MOVED", 0) == 0 || r.str.rfind("ASK", 0) == 0) {
-            moved = true;
+      std::unique_ptr<Error> refused;    // the first error reply
+      std::exception_ptr undelivered;    // what deliver threw
+      try {
+        for (size_t i : list) c.Append(commands[i].args);
+        c.Flush();
+        // Every reply is read, whatever came before it: a reply left unread
+        // would be taken for the answer to a later command.
+        for (size_t i : list) {
+          Reply r = c.Read();
+          if (r.type == Reply::kError) {
+            if (IsRedirect(r.str)) {
+              moved = true;
+            } else if (refused == nullptr) {
+              refused = std::make_unique<Error>(c.Address() + " answered " + std::string(commands[i].args[0]) + " " +
+                                                    std::string(commands[i].key) + ": " + r.str,
+                                                KindOf(r.str));
+            }
             continue;
           }
-          throw Error(c.Address() + " answered " + std::string(commands[i].args[0]) + " " +
-                          std::string(commands[i].key) + ": " + r.str,
-                      false);
+          if (moved || refused != nullptr || undelivered != nullptr) continue;
+          try {
+            deliver(i, r);
+          } catch (...) {
+            undelivered = std::current_exception();
+          }
         }
-        if (!moved) deliver(i, r);
+      } catch (...) {
+        // Failed mid-write or mid-read (closed, timed out, malformed): the
+        // stream is out of step, so the connection is never used again.
+        connections_.erase(node);
+        throw;
       }
+      // A redirect first: inside MULTI a moved slot makes the queued command
+      // answer MOVED and EXEC answer EXECABORT (nothing applied), which is a
+      // retry on the new node, not a refusal.
       if (moved) {
         discovered_ = false;
         return false;
       }
+      if (refused != nullptr) throw *refused;
+      if (undelivered != nullptr) std::rethrow_exception(undelivered);
     }
     return true;
+  }
+
+  // One command outside a pipeline; an error reply throws, classified.
+  Reply Call(Connection& c, const std::vector<std::string_view>& args) const {
+    Reply r = c.Exchange(args);
+    if (r.type == Reply::kError)
+      throw Error(c.Address() + " answered " + std::string(args[0]) + ": " + r.str,
+                  IsRedirect(r.str) ? ErrorKind::kTransient : KindOf(r.str));
+    return r;
   }
 
   std::string NodeOf(std::string_view key) const {
@@ -379,16 +474,39 @@ class Client {
     auto c = std::make_unique<Connection>(node.substr(0, colon), std::stoi(node.substr(colon + 1)),
                                           config_.connect_timeout_ms, config_.socket_timeout_ms);
     Authenticate(*c, config_.user, config_.password);
-    if (config_.mode != 0 && config_.db != 0) c->Call({"SELECT", std::to_string(config_.db)});
+    if (config_.mode != 0 && config_.db != 0) Call(*c, {"SELECT", std::to_string(config_.db)});
+    CheckTable(*c, node);
     return *connections_.emplace(node, std::move(c)).first->second;
   }
 
-  static void Authenticate(Connection& c, const std::string& user, const std::string& password) {
+  // On a new connection to the node holding the table's meta key (every
+  // connection but in a cluster): the key must still be there (see Config).
+  void CheckTable(Connection& c, const std::string& node) const {
+    if (config_.meta_key.empty() || NodeOf(config_.meta_key) != node) return;
+    if (config_.recreate_meta) {
+      const Reply r = Call(c, {"SET", config_.meta_key, config_.meta_value, "NX"});
+      if (r.type == Reply::kStatus && config_.on_recreate)
+        config_.on_recreate("Redis at " + c.Address() + " held no table '" + config_.table_name + "' (its meta key '" +
+                            config_.meta_key + "' was gone): recreated it empty, as recreate_if_missing asks");
+      return;
+    }
+    const Reply r = Call(c, {"EXISTS", config_.meta_key});
+    if (r.type != Reply::kInteger) throw Error(c.Address() + " sent a malformed EXISTS reply", true);
+    if (r.integer == 0)
+      throw Error("Redis at " + c.Address() + " no longer holds table '" + config_.table_name + "' (its meta key '" +
+                      config_.meta_key +
+                      "' is gone): the server was restarted without persistence or was flushed, so the table's "
+                      "rows are lost; restore them from a checkpoint, or set \"recreate_if_missing\": true in the "
+                      "Redis config to start the table afresh",
+                  ErrorKind::kTableLost);
+  }
+
+  void Authenticate(Connection& c, const std::string& user, const std::string& password) const {
     if (password.empty()) return;
     if (user.empty() || user == "default") {
-      c.Call({"AUTH", password});
+      Call(c, {"AUTH", password});
     } else {
-      c.Call({"AUTH", user, password});
+      Call(c, {"AUTH", user, password});
     }
   }
 
@@ -405,13 +523,13 @@ class Client {
         Connection c(host, port, config_.connect_timeout_ms, config_.socket_timeout_ms);
         if (config_.mode == 1) {
           Authenticate(c, config_.sentinel_user, config_.sentinel_password);
-          Reply r = c.Call({"SENTINEL", "get-master-addr-by-name", config_.master_name});
+          Reply r = Call(c, {"SENTINEL", "get-master-addr-by-name", config_.master_name});
           if (r.type != Reply::kArray || r.elements.size() != 2)
             throw Error(c.Address() + " knows no master named '" + config_.master_name + "'", false);
           master_ = r.elements[0].str + ":" + r.elements[1].str;
         } else {
           Authenticate(c, config_.user, config_.password);
-          LoadSlots(c.Call({"CLUSTER", "SLOTS"}), c.Address());
+          LoadSlots(Call(c, {"CLUSTER", "SLOTS"}), c.Address());
         }
         discovered_ = true;
         return;
@@ -445,7 +563,9 @@ class Client {
   bool discovered_ = false;                // master_ / slot_nodes_ are current
   std::string master_;                     // modes 1, 2: "host:port" of the server to read
   std::vector<std::string> slot_nodes_;    // mode 0: "host:port" per cluster slot
-  std::map<std::string, std::unique_ptr<Connection>> connections_;  // by "host:port"
+  // By "host:port"; only connections whose stream is in step (every reply
+  // read) are kept here.
+  std::map<std::string, std::unique_ptr<Connection>> connections_;
 };
 
 }  // namespace resp

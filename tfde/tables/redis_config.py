@@ -16,6 +16,11 @@ from typing import Tuple
 from tfde.errors import ConfigError
 
 ENV_VAR = "TFDE_REDIS_CONFIG"  # names a config file when no path or dict is given
+# Timeouts in milliseconds; each must be 1..MAX_TIMEOUT_MS (the native client
+# passes them to poll() and SO_RCVTIMEO as a C int).
+TIMEOUT_FIELDS = ("redis_connect_timeout", "redis_socket_timeout", "redis_sentinel_connect_timeout",
+                  "redis_sentinel_socket_timeout")
+MAX_TIMEOUT_MS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +34,16 @@ class RedisTableConfig:
     redis_user / redis_password / redis_db: auth and database number.
     redis_read_access_slave: read from replicas (mode 0/1).
     redis_connect_keep_alive: TCP keep-alive.
-    redis_connect_timeout / redis_socket_timeout: milliseconds.
-    redis_conn_pool_size: connections per server.
-    redis_wait_timeout: milliseconds to wait for a pooled connection.
-    redis_connection_lifetime: minutes a connection may live (TFRA's unit).
+    redis_connect_timeout / redis_socket_timeout: milliseconds, 1 to
+      MAX_TIMEOUT_MS.  0 is refused, not read as "no timeout": redis-py and
+      tfde's native client would each give it another meaning (a blocking
+      call that never returns, or a timeout on every call), and a lost server
+      must surface as an error, so tfde has no unbounded wait.
+    redis_conn_pool_size: connections per server (>= 1).
+    redis_wait_timeout: milliseconds to wait for a pooled connection (>= 0).
+    redis_connection_lifetime: minutes a connection may live (TFRA's unit, >= 0).
     redis_sentinel_user / _password / _connect_timeout / _socket_timeout:
-      the same for sentinels (timeouts in milliseconds).
+      the same for sentinels (timeouts in milliseconds, 1 to MAX_TIMEOUT_MS).
     storage_slice: buckets (Redis hashes) per table; storage_slice_import
       the bucket count of the tables named by model_tag_import.
     using_hash_storage_slice: TFRA's bucket choice flag; tfde always routes
@@ -49,6 +58,12 @@ class RedisTableConfig:
     table_store_mode: 0 rows in TF checkpoints, 1 files in model_lib_abs_dir,
       2 Redis is the source of truth.
     model_lib_abs_dir: directory for table_store_mode 1.
+    recreate_if_missing (tfde's own, default false): what to do when a
+      server no longer holds a table that was opened (its meta key
+      ``{prefix}:{name}:meta`` is gone: the server restarted without
+      persistence, or was flushed).  false: raise BackendError naming the
+      server and the table, since its rows are lost; true: write the meta key
+      again (with a warning) and carry on, every key reading its initial row.
     """
 
     redis_connection_mode: int = 2
@@ -82,6 +97,7 @@ class RedisTableConfig:
     expire_model_tag_in_seconds: int = 604800
     table_store_mode: int = 2
     model_lib_abs_dir: str = "/tmp/"
+    recreate_if_missing: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -100,15 +116,23 @@ class RedisTableConfig:
         for port in self.redis_host_port:
             if not 1 <= port <= 65535:
                 raise ConfigError(f"redis_host_port {port} is out of range; expected 1..65535")
-        for name in ("redis_db", "storage_slice", "storage_slice_import", "keys_sending_size",
-                     "redis_conn_pool_size"):
-            minimum = 0 if name == "redis_db" else 1
-            if getattr(self, name) < minimum:
-                raise ConfigError(f"{name} must be >= {minimum}, got {getattr(self, name)}")
-        for name in ("redis_connect_timeout", "redis_socket_timeout", "redis_sentinel_connect_timeout",
-                     "redis_sentinel_socket_timeout", "expire_model_tag_in_seconds"):
+        for name in ("storage_slice", "storage_slice_import", "keys_sending_size", "redis_conn_pool_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # 0 keeps its TFRA meaning in these (database 0; never expire; no
+        # limit on fields tfde does not use); only negatives are refused.
+        for name in ("redis_db", "expire_model_tag_in_seconds", "redis_wait_timeout",
+                     "redis_connection_lifetime"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in TIMEOUT_FIELDS:
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name} must be a timeout of at least 1 millisecond, got {value}; tfde has no "
+                                  "\"no timeout\" (a lost server must surface as an error): give the milliseconds "
+                                  f"to wait, e.g. \"{name}\": 1000")
+            if value > MAX_TIMEOUT_MS:
+                raise ConfigError(f"{name} {value} is too large; expected at most {MAX_TIMEOUT_MS} milliseconds")
         if self.storage_slice > 4096:
             raise ConfigError(f"storage_slice {self.storage_slice} is too large; expected at most 4096 buckets")
         for tags_name, slices in (("redis_hash_tags_runtime", self.storage_slice),

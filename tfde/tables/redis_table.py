@@ -13,19 +13,29 @@ Layout (documented in the README so other programs can read it):
     little-endian bytes (dim x the value dtype's size);
   * ``{model_tag_runtime}:{table name}:meta`` holds a msgpack map
     {format, key_dtype, value_dtype, dim, storage_slice, hash}, written when
-    the table is created and checked when it is opened again.
+    the table is created and checked when it is opened again, and again by
+    every new connection (a server restarted without persistence comes back
+    without it: recreate_if_missing).
 
 Lookups and upserts run in native ops (backends/redis/: TfdeRedisFind,
 TfdeRedisInsert, pipelining HMGET / HSET per node in chunks of
-keys_sending_size keys, retrying with backoff); the other operations (accum
+keys_sending_size keys, retrying with backoff; TfdeRedisInsertGroup writes a
+step's row and slot tables in MULTI / EXEC transactions, see
+RedisTable.insert_with); the other operations (accum
 through a Lua script, remove, clear, size, export) and reads from replicas go
 through redis-py inside tf.numpy_function (stateful).  Either way the tables
 work eagerly, in tf.function and under model.fit, in the process that
 created them.  A find of n keys costs one pipelined round trip per server.
+
+Errors (both paths alike, tfde/errors.py): transient failures are retried
+with backoff, then raise BackendUnavailableError (tf.errors.UnavailableError
+in graphs); refusals raise at once BackendError / CapacityError /
+CredentialsError (FailedPrecondition / ResourceExhausted in graphs).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import itertools
@@ -33,6 +43,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 
 import msgpack
 import numpy as np
@@ -40,7 +51,9 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base
 
 from tfde import _native
-from tfde.errors import BackendUnavailableError, ConfigError, ShapeError
+from tfde.errors import (REDIS_ERROR_KINDS, BackendError, BackendUnavailableError, CapacityError, ConfigError,
+                         CredentialsError, ShapeError, TfdeError, from_op_error, graph_message, redis_error_kind,
+                         tf_code)
 from tfde.hashing import stable_hash, stable_hash_np, stable_hash_py
 from tfde.initializers import InitSpec
 from tfde.tables.base import Table, TableCreator, as_keys, as_rows
@@ -51,6 +64,16 @@ FORMAT_VERSION = 1
 RETRIES = 4            # attempts after the first failure of a Redis call
 BACKOFF_BASE_S = 0.05  # first retry delay in seconds; doubles each retry
 BACKOFF_MAX_S = 1.0    # longest delay between retries, seconds
+# (backends/redis/resp_client.h waits the same: kBackoffBaseMs, kBackoffMaxMs.)
+# Hints of the errors below; backends/redis/ops.cc Fail says the same.
+_OUT_OF_MEMORY_HINT = "free memory on the server or raise its maxmemory, then run the step again"
+_CREDENTIALS_HINT = "check redis_user and redis_password in the Redis config"
+
+
+def backoff_s(failures: int) -> float:
+    """Seconds to wait before the next attempt after `failures` (1, 2, ...)
+    failures in a row: BACKOFF_BASE_S doubling, at most BACKOFF_MAX_S."""
+    return min(BACKOFF_BASE_S * 2.0 ** (failures - 1), BACKOFF_MAX_S)
 _VALUE_KIND = {tf.float32: "f", tf.float64: "d", tf.float16: "h", tf.bfloat16: "b"}
 
 # Adds deltas to rows atomically on the server.  KEYS[1]: the bucket hash;
@@ -132,6 +155,18 @@ def _connect(cfg: RedisTableConfig):
                   socket_connect_timeout=cfg.redis_connect_timeout / 1000.0,
                   socket_timeout=cfg.redis_socket_timeout / 1000.0, socket_keepalive=cfg.redis_connect_keep_alive)
     servers = list(zip(cfg.redis_host_ip, cfg.redis_host_port))
+    # Every new connection checks that the tables opened through it are
+    # still there (_TableWatch); RedisCluster runs its own handshake first.
+    watch = _TableWatch(handshake=cfg.redis_connection_mode != 0)
+    common["redis_connect_func"] = watch
+    writer, reader = _connect_clients(cfg, common, servers, watch)
+    writer._tfde_watch = watch
+    return writer, reader
+
+
+def _connect_clients(cfg: RedisTableConfig, common: dict, servers, watch):
+    import redis
+
     if cfg.redis_connection_mode == 2:
         client = redis.Redis(host=servers[0][0], port=servers[0][1], db=cfg.redis_db,
                              max_connections=cfg.redis_conn_pool_size, **common)
@@ -144,7 +179,8 @@ def _connect(cfg: RedisTableConfig):
             socket_connect_timeout=cfg.redis_sentinel_connect_timeout / 1000.0,
             socket_timeout=cfg.redis_sentinel_socket_timeout / 1000.0), db=cfg.redis_db, **common)
         writer = sentinel.master_for(cfg.redis_master_name)
-        reader = sentinel.slave_for(cfg.redis_master_name) if cfg.redis_read_access_slave else writer
+        reader = (sentinel.slave_for(cfg.redis_master_name, redis_connect_func=watch.reading)
+                  if cfg.redis_read_access_slave else writer)
         return writer, reader
     from redis.cluster import ClusterNode, RedisCluster
 
@@ -160,12 +196,20 @@ def _connect(cfg: RedisTableConfig):
     return client, client
 
 
-def native_attrs(cfg: RedisTableConfig, buckets, table_name: str, credentials: str = "") -> dict:
+def native_attrs(cfg: RedisTableConfig, buckets, table_name: str, credentials: str = "", meta_key: str = "",
+                 meta: bytes = b"") -> dict:
     """Attrs of the native Redis ops (backends/redis/ops.cc) for a table.
     Passwords are never attrs: `credentials` names the ones registered in
     this process (RedisTableCreator); without it the ops read
-    $TFDE_REDIS_PASSWORD and $TFDE_REDIS_SENTINEL_PASSWORD."""
+    $TFDE_REDIS_PASSWORD and $TFDE_REDIS_SENTINEL_PASSWORD.
+
+    Errors: the ops classify Redis error replies with tfde/errors.py's
+    REDIS_ERROR_KINDS (one table for both clients).  `meta_key`: every new
+    connection checks that it still exists (a server restarted empty, see
+    _TableWatch); when cfg.recreate_if_missing is set and `meta` (the packed
+    meta value) is given, the ops write it again instead."""
     env = not credentials
+    recreate = bool(cfg.recreate_if_missing and meta and meta_key)
     return dict(buckets=list(buckets), table_name=table_name, chunk=cfg.keys_sending_size,
                 mode=cfg.redis_connection_mode,
                 servers=[f"{h}:{p}" for h, p in zip(cfg.redis_host_ip, cfg.redis_host_port)],
@@ -174,7 +218,166 @@ def native_attrs(cfg: RedisTableConfig, buckets, table_name: str, credentials: s
                 sentinel_user=cfg.redis_sentinel_user or "",
                 sentinel_password_env=SENTINEL_PASSWORD_ENV if env else "",
                 connect_timeout_ms=cfg.redis_connect_timeout, socket_timeout_ms=cfg.redis_socket_timeout,
-                retries=RETRIES)
+                retries=RETRIES, error_kinds=[f"{code}={kind}" for code, kind in sorted(REDIS_ERROR_KINDS.items())],
+                meta_key=meta_key, meta=meta if recreate else b"", recreate_meta=recreate)
+
+
+def table_lost_message(address: str, table_name: str, meta_key: str) -> str:
+    """Why a table's operations fail once its server lost it; the native
+    client says the same (backends/redis/resp_client.h CheckTable)."""
+    return (f"Redis at {address} no longer holds table {table_name!r} (its meta key {meta_key!r} is gone): the "
+            "server was restarted without persistence or was flushed, so the table's rows are lost; restore them "
+            "from a checkpoint, or set \"recreate_if_missing\": true in the Redis config to start the table afresh")
+
+
+class _TableWatch:
+    """redis-py's connect hook (redis_connect_func) for the clients of one
+    RedisTableCreator.  On every new connection, after the handshake, it
+    checks that each table opened through these clients still has its meta
+    key, as the native client does (backends/redis/resp_client.h
+    CheckTable): a server restarted without persistence, or flushed, comes
+    back empty, and carrying on would train from initial rows.  A missing
+    key raises BackendError (table_lost_message), or, for a table whose
+    config sets recreate_if_missing, is written again with a warning.  In a
+    cluster, each key is checked by the node that holds it.
+
+    Thread-safety: called from any thread that opens a connection."""
+
+    def __init__(self, handshake: bool):
+        self._handshake = handshake  # False in a cluster: RedisCluster.on_connect ran it
+        self._tables = {}            # meta key -> (table name, packed meta to rewrite, or None)
+        self._lock = threading.Lock()
+
+    def watch(self, meta_key: str, table_name: str, meta) -> None:
+        with self._lock:
+            self._tables[meta_key] = (table_name, meta)
+
+    def __call__(self, conn, writable: bool = True):
+        import redis
+
+        if self._handshake:
+            conn.on_connect()
+        with self._lock:
+            tables = list(self._tables.items())
+        for key, (name, meta) in tables:
+            if meta is not None and not writable:
+                continue  # a replica: its master rewrites the key
+            try:
+                conn.send_command(*(("SET", key, meta, "NX") if meta is not None else ("EXISTS", key)))
+                found = conn.read_response()
+            except redis.exceptions.AskError:  # MOVED / ASK: another cluster node holds it
+                continue
+            if meta is not None:
+                if found:
+                    warnings.warn(f"Redis at {conn.host}:{conn.port} held no table {name!r} (its meta key {key!r} "
+                                  "was gone): recreated it empty, as recreate_if_missing asks", stacklevel=2)
+            elif not found:
+                # Closed before raising: redis-py would otherwise keep the
+                # socket and use it unchecked next time.
+                conn.disconnect()
+                raise BackendError(table_lost_message(f"{conn.host}:{conn.port}", name, key))
+
+    def reading(self, conn):
+        self(conn, writable=False)
+
+
+def _error_code(error) -> str:
+    """The code of the Redis error reply behind a redis-py ResponseError
+    ("WRONGTYPE", "OOM", ...).  redis-py strips the code of the replies it
+    has a class for (and, in pipelines, puts text before it)."""
+    import redis.exceptions as x
+
+    code = getattr(error, "status_code", None)
+    if code:
+        return code
+    for cls, code in ((x.OutOfMemoryError, "OOM"), (x.NoScriptError, "NOSCRIPT"), (x.ReadOnlyError, "READONLY"),
+                      (x.ExecAbortError, "EXECABORT"), (x.TryAgainError, "TRYAGAIN"),
+                      (getattr(x, "MasterDownError", ()), "MASTERDOWN"), (x.ClusterDownError, "CLUSTERDOWN"),
+                      (x.MovedError, "MOVED"), (x.AskError, "ASK"), (x.NoPermissionError, "NOPERM")):
+        if cls and isinstance(error, cls):
+            return code
+    text = str(error).split(" of pipeline caused error: ", 1)[-1]
+    word = text.split(" ", 1)[0]
+    return word if word.isalpha() and word.isupper() else "ERR"
+
+
+def _error_kind(error) -> str:
+    """REDIS_ERROR_KINDS' kind of a redis-py error; "transient" for lost
+    connections and timeouts (redis-py's ConnectionError, TimeoutError, and
+    BusyLoadingError for LOADING)."""
+    import redis.exceptions as x
+
+    if isinstance(error, tuple(getattr(x, n) for n in ("AuthenticationError", "AuthorizationError") if hasattr(x, n))):
+        return "credentials"
+    if isinstance(error, x.ResponseError):
+        code = _error_code(error)
+        return "transient" if code in ("MOVED", "ASK") else redis_error_kind(code)
+    if isinstance(error, x.DataError):
+        return "refused"  # redis-py refused the arguments before sending
+    return "transient"  # ConnectionError, TimeoutError, cluster discovery errors
+
+
+
+def _check_credentials(cfg: RedisTableConfig, client) -> None:
+    """Authenticates to every server the native ops talk to, the way they do
+    (backends/redis/resp_client.h: ``AUTH <password>`` for user "default" or
+    none, else ``AUTH <user> <password>``; nothing without a password), and
+    PINGs it, so that credentials the server refuses are a CredentialsError
+    (a ConfigError) naming the server, the field and the fix when a table
+    opens, not an error from inside the first training step's graph.
+    (redis-py alone would not notice a password the server does not have:
+    ``AUTH default <password>`` succeeds there.)  Connection errors
+    propagate: the caller retries them."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    def probe(host, port, user, password, user_field, password_field, connect_ms, socket_ms):
+        # protocol 2: redis-py's RESP3 handshake (HELLO) would be refused
+        # before AUTH on a server that needs a password.
+        conn = redis.Redis(host=host, port=port, protocol=2, retry=Retry(NoBackoff(), 0),
+                           socket_connect_timeout=connect_ms / 1000.0, socket_timeout=socket_ms / 1000.0)
+        where = f"Redis at {host}:{port}"
+        try:
+            if password:
+                conn.execute_command(*(("AUTH", password) if user in ("", "default") else ("AUTH", user, password)))
+            conn.ping()
+        except (redis.AuthenticationError, redis.ResponseError) as e:
+            text = str(e)
+            if "without any password configured" in text or "no password is set" in text:
+                raise CredentialsError(f"{where} has no password, but {password_field} is set in the Redis config; "
+                                  f"remove {password_field} (or give the server a password: requirepass or an "
+                                  "ACL user)") from None
+            if text.startswith("NOAUTH") or "Authentication required" in text:
+                raise CredentialsError(f"{where} requires a password, but {password_field} is empty in the Redis config; "
+                                  f"set {password_field} (and {user_field} for an ACL user other than "
+                                  "\"default\")") from None
+            if "WRONGPASS" in text or "invalid password" in text or "invalid username-password" in text:
+                raise CredentialsError(f"{where} refused the credentials of user {user or 'default'!r} (WRONGPASS); "
+                                  f"check {user_field} and {password_field} in the Redis config") from None
+            raise
+        finally:
+            conn.close()
+
+    servers = list(zip(cfg.redis_host_ip, cfg.redis_host_port))
+    master = (cfg.redis_user, cfg.redis_password, "redis_user", "redis_password", cfg.redis_connect_timeout,
+              cfg.redis_socket_timeout)
+    if cfg.redis_connection_mode == 2:
+        probe(*servers[0], *master)
+    elif cfg.redis_connection_mode == 1:
+        # The native client asks the sentinels in turn: each one that answers
+        # must take the sentinel credentials.
+        for host, port in servers:
+            try:
+                probe(host, port, cfg.redis_sentinel_user, cfg.redis_sentinel_password, "redis_sentinel_user",
+                      "redis_sentinel_password", cfg.redis_sentinel_connect_timeout,
+                      cfg.redis_sentinel_socket_timeout)
+            except (redis.ConnectionError, redis.TimeoutError):
+                continue  # another sentinel may answer; the master lookup below needs one
+        probe(*client.connection_pool.get_master_address(), *master)
+    else:
+        for node in client.get_primaries():
+            probe(node.host, node.port, *master)
 
 
 class RedisTable(Table, trackable_base.Trackable):
@@ -210,7 +413,7 @@ class RedisTable(Table, trackable_base.Trackable):
         # Lookups and upserts run in the native ops (no Python per call);
         # reads from replicas (redis_read_access_slave) go through redis-py.
         self._ops = _native.load()
-        self._attrs = native_attrs(config, self._buckets, name, credentials)
+        self._attrs = native_attrs(config, self._buckets, name, credentials, self._meta_key, self._packed_meta())
         self._native_reads = not config.redis_read_access_slave
         with tf.init_scope():  # made once: an eager op costs ~0.1 ms per call
             self._no_hashes = tf.zeros([0], tf.int64)
@@ -218,7 +421,9 @@ class RedisTable(Table, trackable_base.Trackable):
         self._exports = {}
         self._export_ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._call("open", lambda: _check_credentials(config, self._client))
         self._open_meta()
+        self._watch()
         self._call("open", lambda: [self._client.persist(k) for k in self._buckets + [self._meta_key]])
 
     def close(self) -> None:
@@ -231,28 +436,43 @@ class RedisTable(Table, trackable_base.Trackable):
     # ------------------------------------------------------------ plumbing
 
     def _call(self, what: str, fn):
-        """Runs fn() with retries and backoff on connection errors; translates
-        Redis errors into tfde errors naming the server and the operation."""
+        """Runs fn() (redis-py calls).  What Redis calls transient (a lost
+        connection, a timeout, a "not now" reply such as LOADING or BUSY:
+        tfde/errors.py REDIS_ERROR_KINDS) is retried with backoff, then
+        raised as BackendUnavailableError; a refusal is raised at once as
+        BackendError, CapacityError (OOM) or CredentialsError.  Messages
+        name the server, the operation and the table, in the words of the
+        native ops (backends/redis/ops.cc Fail)."""
         import redis
 
-        delay = BACKOFF_BASE_S
+        at = f"Redis at {self.config.describe_servers()}"
+        during = f"{what} of table {self.name!r}"
         for attempt in range(RETRIES + 1):
             try:
                 return fn()
-            except redis.AuthenticationError:
-                raise ConfigError(f"Redis at {self.config.describe_servers()} refused the credentials of user "
-                                  f"{self.config.redis_user!r} during {what} of table {self.name!r}; check "
-                                  "redis_user and redis_password") from None
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except redis.RedisError as e:
+                kind = _error_kind(e)
+                if kind == "capacity":
+                    raise CapacityError(f"{at} is out of memory during {during}: {e}; {_OUT_OF_MEMORY_HINT}") from None
+                if kind == "credentials":
+                    raise CredentialsError(f"{at} refused the credentials of user {self.config.redis_user!r} during "
+                                           f"{during}: {e}; {_CREDENTIALS_HINT}") from None
+                if kind != "transient":
+                    raise BackendError(f"{at} refused {during}: {e}") from None
                 if attempt == RETRIES:
-                    raise BackendUnavailableError(
-                        f"Redis at {self.config.describe_servers()} unreachable during {what} of table "
-                        f"{self.name!r} after {RETRIES + 1} attempts: {e}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, BACKOFF_MAX_S)
-            except redis.ResponseError as e:
-                raise BackendUnavailableError(f"Redis at {self.config.describe_servers()} answered an error "
-                                              f"during {what} of table {self.name!r}: {e}") from None
+                    raise BackendUnavailableError(f"{at} unreachable during {during} after {RETRIES + 1} attempts: "
+                                                  f"{e}") from None
+                time.sleep(backoff_s(attempt + 1))
+
+    def _packed_meta(self) -> bytes:
+        return msgpack.packb(self._meta(len(self._buckets)))
+
+    def _watch(self) -> None:
+        """From now on every new redis-py connection checks that this table
+        is still there (_TableWatch), as the native ops' connections do."""
+        watch = getattr(self._client, "_tfde_watch", None)
+        if watch is not None:
+            watch.watch(self._meta_key, self.name, self._packed_meta() if self.config.recreate_if_missing else None)
 
     def _meta(self, buckets: int) -> dict:
         return {"format": FORMAT_VERSION, "key_dtype": self.key_dtype.name, "value_dtype": self.value_dtype.name,
@@ -513,21 +733,44 @@ class RedisTable(Table, trackable_base.Trackable):
         return stable_hash(keys) if self._key_width is None else self._no_hashes
 
     def _native_call(self, what: str, fn):
-        """fn() (a native op); eagerly, its errors become tfde errors naming
-        the servers, the operation and the table (in graphs TensorFlow's
-        Unavailable / FailedPrecondition errors carry the same facts)."""
+        """fn() (a native op).  Eagerly, a failure is raised as the tfde
+        error its message names, with the same text (tfde.errors
+        from_op_error); in graphs TensorFlow raises its own class of that
+        error's code (UnavailableError, FailedPreconditionError, ...: the
+        tfde classes subclass them), the message starting with the tfde
+        class name.  The op's message already names `what`."""
         if not tf.executing_eagerly():
             return fn()
         try:
             return fn()
-        except tf.errors.UnavailableError as e:
-            detail = e.message.split("attempts: ", 1)[-1].split(" [Op:")[0]
-            raise BackendUnavailableError(
-                f"Redis at {self.config.describe_servers()} unreachable during {what} of table {self.name!r} after "
-                f"{RETRIES + 1} attempts: {detail}") from None
-        except tf.errors.FailedPreconditionError as e:
-            raise BackendUnavailableError(f"Redis at {self.config.describe_servers()} answered an error during "
-                                          f"{what} of table {self.name!r}: {e.message.split(' [Op:')[0]}") from None
+        except tf.errors.OpError as e:
+            raise from_op_error(e) from None
+
+    def _py_op(self, fn, inp, Tout, name: str):
+        """tf.numpy_function(fn, inp, Tout, stateful=True) for the operations
+        that run in redis-py.  Eagerly fn's tfde errors propagate as they
+        are.  In a graph TensorFlow would report any exception raised in fn
+        as UNKNOWN, so there fn returns its tfde error as (code, message)
+        outputs instead and TfdeRaiseIfError (backends/redis/ops.cc) fails
+        with them: the error's TF code and message (tfde.errors tf_code,
+        graph_message), as the native ops do."""
+        if tf.executing_eagerly():
+            return tf.numpy_function(fn, inp, Tout, stateful=True, name=name)
+        single = not isinstance(Tout, (list, tuple))
+        touts = [Tout] if single else list(Tout)
+
+        def guarded(*args):
+            try:
+                out = fn(*args)
+            except TfdeError as e:
+                empty = [np.zeros(0, object if t == tf.string else t.as_numpy_dtype) for t in touts]
+                return [*empty, np.int32(tf_code(e)), graph_message(e).encode()]
+            return [*([out] if single else out), np.int32(0), b""]
+
+        *outs, code, message = tf.numpy_function(guarded, inp, touts + [tf.int32, tf.string], stateful=True,
+                                                 name=name)
+        outs = self._ops.tfde_raise_if_error(outs, code, message)
+        return outs[0] if single else outs
 
     def find(self, keys, missing):
         keys = as_keys(keys, self.key_dtype, self.name)
@@ -539,8 +782,8 @@ class RedisTable(Table, trackable_base.Trackable):
             defaults = self._no_defaults
         else:
             defaults = as_rows(missing, self.value_dtype, self.dim, self.name, "defaults")
-        values, exists = tf.numpy_function(self._np_find, [keys, self._hash_arg(keys), defaults],
-                                           [self.value_dtype, tf.bool], stateful=True, name="tfde_redis_find")
+        values, exists = self._py_op(self._np_find, [keys, self._hash_arg(keys), defaults],
+                                     [self.value_dtype, tf.bool], name="tfde_redis_find")
         values.set_shape([None, self.dim])
         exists.set_shape([None])
         if isinstance(missing, InitSpec):
@@ -554,6 +797,53 @@ class RedisTable(Table, trackable_base.Trackable):
         return self._native_call("insert", lambda: self._ops.tfde_redis_insert(keys, values, dim=self.dim,
                                                                                 **self._attrs))
 
+    def insert_with(self, keys, values, others) -> list:
+        """Upserts `values` ([n, dim] value_dtype) under `keys` ([n]) here and,
+        for each ``(table, table_values)`` of `others`, `table_values`
+        ([n, table.dim] table.value_dtype) under the same keys there: a
+        training step's row, slots and policy state, all-or-nothing per key
+        (Table.insert_with).  Returns the write ops.
+
+        When every table of `others` is a RedisTable of the same config, key
+        dtype and hash tags (a Variable's tables of one RedisTableCreator: a
+        key lies in bucket b of each, and bucket b of each is in one cluster
+        slot) this is one TfdeRedisInsertGroup op: MULTI / HSET ... / EXEC per
+        bucket on a cluster, one transaction for the whole call on a single
+        server (backends/redis/ops.cc).  Any other mix falls back to
+        Table.insert_with (one insert per table)."""
+        others = list(others)
+        if not others:
+            return [self.insert(keys, values)]
+        if not all(self._shares_transactions_with(table) for table, _ in others):
+            return super().insert_with(keys, values, others)
+        keys = as_keys(keys, self.key_dtype, self.name)
+        rows = [as_rows(values, self.value_dtype, self.dim, self.name)]
+        rows += [as_rows(v, table.value_dtype, table.dim, table.name) for table, v in others]
+        tables = [self] + [table for table, _ in others]
+        n = keys.shape[0]
+        for table, r in zip(tables, rows):  # the kernel checks again when n is known only at run time
+            if n is not None and r.shape[0] is not None and r.shape[0] != n:
+                raise ShapeError(f"rows for table {table.name!r} have shape {r.shape} for {n} keys; expected "
+                                 f"[{n}, {table.dim}], one row per key")
+        others_tables = tables[1:]
+        return [self._native_call("insert", lambda: self._ops.tfde_redis_insert_group(
+            keys, rows[0], rows[1:], dim=self.dim, other_dims=[t.dim for t in others_tables],
+            other_buckets=[b for t in others_tables for b in t._buckets],
+            other_names=[t.name for t in others_tables], **self._attrs))]
+
+    def _shares_transactions_with(self, table) -> bool:
+        """Whether `table` can be written in the same Redis transactions as
+        this table: the same servers and credentials, key dtype and buckets'
+        hash tags (so bucket b of both is on one node and cluster slot)."""
+        if not (isinstance(table, RedisTable) and table is not self and table.config == self.config
+                and table.key_dtype == self.key_dtype and table._tags == self._tags):
+            return False
+        if self.config.redis_connection_mode != 0:
+            return True
+        from redis.crc import key_slot  # a "{" in a table name would move its buckets off their tags' slots
+
+        return all(key_slot(a.encode()) == key_slot(b.encode()) for a, b in zip(self._buckets, table._buckets))
+
     def accum(self, keys, deltas, missing):
         keys = as_keys(keys, self.key_dtype, self.name)
         deltas = as_rows(deltas, self.value_dtype, self.dim, self.name, "deltas")
@@ -562,24 +852,23 @@ class RedisTable(Table, trackable_base.Trackable):
         else:
             init = tf.broadcast_to(as_rows(missing, self.value_dtype, self.dim, self.name, "defaults"),
                                    [tf.size(keys), self.dim])
-        return tf.numpy_function(self._np_accum, [keys, self._hash_arg(keys), deltas, init],
-                                 tf.int64, stateful=True, name="tfde_redis_accum")
+        return self._py_op(self._np_accum, [keys, self._hash_arg(keys), deltas, init], tf.int64,
+                           name="tfde_redis_accum")
 
     def remove(self, keys):
         keys = as_keys(keys, self.key_dtype, self.name)
-        return tf.numpy_function(self._np_remove, [keys, self._hash_arg(keys)], tf.int64, stateful=True,
-                                 name="tfde_redis_remove")
+        return self._py_op(self._np_remove, [keys, self._hash_arg(keys)], tf.int64, name="tfde_redis_remove")
 
     def clear(self):
-        return tf.numpy_function(self._np_clear, [], tf.int64, stateful=True, name="tfde_redis_clear")
+        return self._py_op(self._np_clear, [], tf.int64, name="tfde_redis_clear")
 
     def size(self):
-        return tf.numpy_function(self._np_size, [], tf.int64, stateful=True, name="tfde_redis_size")
+        return self._py_op(self._np_size, [], tf.int64, name="tfde_redis_size")
 
     def export_chunk(self, cursor, max_rows):
-        keys, raw, nxt = tf.numpy_function(
+        keys, raw, nxt = self._py_op(
             self._np_export, [tf.cast(cursor, tf.int64), tf.cast(max_rows, tf.int64)],
-            [self.key_dtype, tf.uint8, tf.int64], stateful=True, name="tfde_redis_export")
+            [self.key_dtype, tf.uint8, tf.int64], name="tfde_redis_export")
         keys.set_shape([None])
         return keys, self._bytes_to_rows(raw), nxt
 
@@ -620,7 +909,9 @@ class RedisServingTable(Table):
 
     def __init__(self, table: RedisTable):
         self.name, self.key_dtype, self.value_dtype, self.dim = table.name, table.key_dtype, table.value_dtype, table.dim
-        self._attrs = native_attrs(table.config, table._buckets, table.name)  # passwords from the environment
+        # Passwords from the environment; the table's meta key is checked on
+        # every new connection, never rewritten (a read-only view).
+        self._attrs = native_attrs(table.config, table._buckets, table.name, meta_key=table._meta_key)
         self._ops = _native.load()
 
     def find(self, keys, missing):
@@ -650,15 +941,24 @@ class RedisTableCreator(TableCreator):
         self.tables = []
 
     def _register_credentials(self) -> str:
-        """Hands the passwords to the native ops under a random id (never
-        into a graph); "" when there are none."""
+        """Hands the passwords to the native ops under a random id; "" when
+        there are none.  They go through a plain C function of the loaded op
+        library (tfde_redis_register_credentials in backends/redis/ops.cc),
+        called with ctypes: no op runs, so no tensor, attr or graph constant
+        ever holds a password, eagerly, in tf.function or in a TF1 graph."""
         cfg = self.config
         if not (cfg.redis_password or cfg.redis_sentinel_password):
             return ""
-        ident = uuid.uuid4().hex
-        with tf.init_scope():
-            _native.load().tfde_redis_register_credentials(ident, cfg.redis_password, cfg.redis_sentinel_password)
-        return ident
+        ident = uuid.uuid4().hex.encode()
+        # RTLD_NOLOAD: the copy TensorFlow already loaded (whose registry the
+        # ops read), never a second one.
+        lib = ctypes.CDLL(str(_native.loaded_path()), mode=os.RTLD_NOW | os.RTLD_NOLOAD)
+        register = lib.tfde_redis_register_credentials
+        register.argtypes = [ctypes.c_char_p, ctypes.c_size_t] * 3
+        register.restype = ctypes.c_int
+        password, sentinel_password = cfg.redis_password.encode(), cfg.redis_sentinel_password.encode()
+        register(ident, len(ident), password, len(password), sentinel_password, len(sentinel_password))
+        return ident.decode()
 
     def create(self, name, key_dtype, value_dtype, dim):
         if self._clients is None:
