@@ -16,20 +16,34 @@ Layout of `directory`:
       worker-00001-of-00002.index, ...
     ckpt-000000130.partial/      a save under way, or killed: never read, removed by the next save
 
-Atomicity: files are written into `<name>.partial/`; when every worker is
-done, the first one writes the manifest, renames the directory to `<name>`
-and then replaces checkpoint.json (write to a temporary file, fsync,
-os.replace).  A crash at any point (kill -9 included) leaves checkpoint.json
-naming the previous complete checkpoint.
+Atomicity: checkpoint.json is the one commit point, and no directory it
+names is ever written again.  Files are written into `<name>.partial/`; when
+every worker is done, the first one writes the manifest, renames the
+directory to `<name>` (a name checkpoint.json does not hold: a second save
+of step 120 goes to `ckpt-000000120-1`), replaces checkpoint.json (temporary
+file, fsync, os.replace) and only then removes the directories it no longer
+names (the checkpoint the same step replaced, those beyond max_to_keep).  A
+crash at any point (kill -9 included) leaves checkpoint.json naming complete
+checkpoints only: the previous ones before the replace, the new one after.
+Whatever a crash left behind (`.partial/` directories, checkpoint
+directories checkpoint.json does not name) is removed by the next save.
+
+Test hook: with TFDE_TEST_KILL_AT_COMMIT_POINT=k in the environment, the
+process that commits kills itself (SIGKILL) at point k of the commit (0, 1,
+...: before each change on disk, and once at the end), so that the tests can
+show that a crash at every point leaves a checkpoint to restore.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 from typing import List, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tfde import exchange
@@ -40,16 +54,38 @@ FORMAT_VERSION = 1
 STATE_FILE = "checkpoint.json"
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
+# A checkpoint directory: ckpt-<step>, or ckpt-<step>-<n> for the n-th
+# save of a step whose name checkpoint.json already held.
+_NAME = re.compile(r"ckpt-(\d{9})(?:-(\d+))?$")
+KILL_AT_COMMIT_POINT = "TFDE_TEST_KILL_AT_COMMIT_POINT"  # test hook, see the module docstring
 
 
-def write_atomic(path: str, text: str) -> None:
+class _CommitPoints:
+    """Counts the points of one commit; kills the process at the one
+    KILL_AT_COMMIT_POINT names (tests only; unset: does nothing)."""
+
+    def __init__(self):
+        raw = os.environ.get(KILL_AT_COMMIT_POINT)
+        self._kill_at = int(raw) if raw not in (None, "") else None
+        self._next = 0
+
+    def __call__(self) -> None:
+        if self._next == self._kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._next += 1
+
+
+def write_atomic(path: str, text: str, point=lambda: None) -> None:
     """Replaces `path` with `text` so that a crash leaves the old or the new
-    file, never a mix (temporary file, fsync, os.replace, fsync the directory)."""
+    file, never a mix (temporary file, fsync, os.replace, fsync the directory).
+    `point` is called before each change on disk (a commit's test hook)."""
     tmp = f"{path}.tmp-{os.getpid()}"
+    point()
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    point()
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(path))
 
@@ -60,6 +96,11 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _step_of(name: str) -> Optional[int]:
+    match = _NAME.match(name)
+    return int(match.group(1)) if match else None
 
 
 def _worker_prefix(path: str, rank: int, size: int) -> str:
@@ -134,18 +175,23 @@ class CheckpointManager:
 
     def save(self, step: Optional[int] = None) -> str:
         """Writes a checkpoint named after `step` (default: the optimizer's
-        iterations) and returns its path.  Every worker calls it."""
+        iterations) and returns its path.  Every worker calls it.  Saving a
+        step again replaces that step's checkpoint (under a new name, see
+        the module docstring)."""
         host = exchange.host_collectives(self._strategy)
         rank, size = (0, 1) if host is None else (host.rank, host.size)
         step = self._default_step() if step is None else int(step)
-        name = f"ckpt-{step:09d}"
+        suffix = 0
+        if rank == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            self._remove_leftovers()
+            suffix = self._free_suffix(step)
+        if host is not None:  # every worker takes the first one's name (and waits for it: a barrier)
+            suffix = int(host.gather(np.array([suffix], np.int64))[0])
+        name = f"ckpt-{step:09d}" + (f"-{suffix}" if suffix else "")
         final = os.path.join(self.directory, name)
         partial = final + PARTIAL
         if rank == 0:
-            os.makedirs(self.directory, exist_ok=True)
-            for entry in os.listdir(self.directory):  # interrupted saves
-                if entry.endswith(PARTIAL):
-                    shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
             os.makedirs(partial)
         exchange.barrier(self._strategy)
         self._checkpoint.write(_worker_prefix(partial, rank, size))
@@ -155,27 +201,63 @@ class CheckpointManager:
         exchange.barrier(self._strategy)
         return final
 
+    def _remove_leftovers(self) -> None:
+        """Removes what crashed saves left: `.partial` directories, temporary
+        state files and (when checkpoint.json exists, proving the directory
+        is this manager's) checkpoint directories it does not name."""
+        state_exists = os.path.exists(os.path.join(self.directory, STATE_FILE))
+        named = set(self._state()["checkpoints"])
+        for entry in os.listdir(self.directory):
+            path = os.path.join(self.directory, entry)
+            if not os.path.isdir(path):
+                if entry.startswith(STATE_FILE + ".tmp-"):
+                    os.remove(path)
+            elif entry.endswith(PARTIAL) or (state_exists and _NAME.match(entry) and entry not in named):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _free_suffix(self, step: int) -> int:
+        """0 for ckpt-<step>, n for ckpt-<step>-n: the first name that neither
+        checkpoint.json nor the directory holds (a directory it names is
+        never written again)."""
+        named = set(self._state()["checkpoints"])
+        suffix = 0
+        while True:
+            name = f"ckpt-{step:09d}" + (f"-{suffix}" if suffix else "")
+            if name not in named and not os.path.lexists(os.path.join(self.directory, name)) \
+                    and not os.path.lexists(os.path.join(self.directory, name + PARTIAL)):
+                return suffix
+            suffix += 1
+
     def _commit(self, partial: str, final: str, name: str, step: int, size: int) -> None:
+        """Makes the checkpoint in `partial` the latest.  The replace of
+        checkpoint.json is the commit: before it the state names the
+        previous checkpoints (untouched), after it the new one (complete,
+        renamed into place before).  Directories are removed only once the
+        state no longer names them."""
+        point = _CommitPoints()
+        point()
         files = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
         for f in files:
             with open(os.path.join(partial, f), "rb") as fh:
                 os.fsync(fh.fileno())
         write_atomic(os.path.join(partial, MANIFEST),
-                      json.dumps({"format": FORMAT_VERSION, "step": step, "workers": size, "files": files},
-                                 indent=1, sort_keys=True))
+                     json.dumps({"format": FORMAT_VERSION, "step": step, "workers": size, "files": files},
+                                indent=1, sort_keys=True), point)
         state = self._state()
-        if os.path.exists(final):  # the same step saved again: the new one replaces it
-            shutil.rmtree(final)
-        os.rename(partial, final)
+        point()
+        os.rename(partial, final)  # `name` is new: nothing is replaced
         _fsync_dir(self.directory)
-        kept = [c for c in state["checkpoints"] if c != name] + [name]
-        dropped = []
+        # The same step saved again: the new checkpoint replaces the old one.
+        kept = [c for c in state["checkpoints"] if _step_of(c) != step] + [name]
+        dropped = [c for c in state["checkpoints"] if _step_of(c) == step]
         if self.max_to_keep is not None and len(kept) > self.max_to_keep:
-            dropped, kept = kept[:-self.max_to_keep], kept[-self.max_to_keep:]
+            dropped, kept = dropped + kept[:-self.max_to_keep], kept[-self.max_to_keep:]
         write_atomic(os.path.join(self.directory, STATE_FILE),
-                      json.dumps({"format": FORMAT_VERSION, "latest": name, "checkpoints": kept}, indent=1))
+                     json.dumps({"format": FORMAT_VERSION, "latest": name, "checkpoints": kept}, indent=1), point)
         for old in dropped:  # only after the state file no longer names them
+            point()
             shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+        point()
 
     # ------------------------------------------------------------ restore
 
@@ -189,6 +271,7 @@ class CheckpointManager:
             return None
         _refuse_unbuilt_keras3_models(self._objects)
         sources = read_manifest(path)
+        registered.check_optimizers(self._checkpoint, sources[0][0], sources[0][1])
         registered.restore_sources(sources[0][0], sources)
         self._checkpoint.read(sources[0][0]).expect_partial()
         return path

@@ -123,7 +123,14 @@ def _check_complete(metas: Sequence[Tuple[str, fmt.VariableMeta]]) -> None:
 def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
     """Replaces `var`'s state with what `readers` hold (one per writer of the
     checkpoint).  Every worker of a job calls it; each keeps the keys it owns
-    now."""
+    now.
+
+    A refused restore changes nothing (docs: README, 'Saving'): every chunk
+    is read and checked first (checksum, shape, row counts; one chunk in
+    memory at a time), and only when the whole checkpoint is known good are
+    the tables cleared and filled from a second read.  (A store that fails
+    during that second pass, e.g. a Redis server lost, can still be left
+    part-filled; restore again once it is back.)"""
     metas = []
     for reader in readers:
         meta = reader.meta()
@@ -144,30 +151,83 @@ def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
     rank, size = worker_of(var)
     shared = var.tables[0].shared_between_workers
     targets = streams(var)
-    for _, _, meta in metas:  # slots the optimizer has not created yet in this process
-        for stream, sm in meta.streams.items():
-            if stream.startswith("slot:") and stream not in targets:
-                targets[stream] = var.slot(stream[len("slot:"):], sm.initial, dim=sm.dim,
-                                           value_dtype=tf.as_dtype(sm.value_dtype))
-    if shared and size > 1:  # one worker empties the shared store, then all fill it
+    if shared and size > 1:
+        # Every worker checks every file; all of them refuse, or none does
+        # (one worker empties the shared store for all of them).
+        host = exchange.host_collectives(var._strategy)
+        error = _first_error(lambda: _validate(var, targets, metas))
+        if host.total(int(error is not None)):
+            raise error or CheckpointError(f"another worker refused to restore {var.name!r} (see its error); "
+                                           "nothing was changed")
+        _create_slots(var, targets, metas)
         if rank == 0:
             _clear(targets.values())
         exchange.barrier(var._strategy)
     else:
+        _validate(var, targets, metas)
+        _create_slots(var, targets, metas)
         _clear(targets.values())
-    for reader, _, meta in metas:
-        for stream in sorted(meta.streams):
-            target = targets.get(stream)
-            if target is None:  # e.g. admission counts saved, no filter now: nothing to put them in
-                continue
-            for keys, rows in fmt.read_stream(reader, stream, meta, target.key_dtype, target.value_dtype):
-                keys, rows = _owned(keys, rows, rank, size)
-                target.upsert(keys, rows)
+    try:
+        for reader, _, meta in metas:
+            for stream in sorted(meta.streams):
+                target = targets.get(stream)
+                if target is None:  # e.g. admission counts saved, no filter now: nothing to put them in
+                    continue
+                for keys, rows in fmt.read_stream(reader, stream, meta, target.key_dtype, target.value_dtype):
+                    keys, rows = _owned(keys, rows, rank, size)
+                    target.upsert(keys, rows)
+    except CheckpointError as e:  # the files changed between the two passes
+        raise CheckpointError(f"{e} (the file changed during the restore, which had already replaced "
+                              f"{var.name!r}'s tables: they are incomplete; restore again)") from None
     if shared and size > 1:
         exchange.barrier(var._strategy)
     for hook in (var.restrict_policy, var.changes):
         if hook is not None:
             hook.after_restore()
+
+
+def _create_slots(var, targets, metas) -> None:
+    """Adds to `targets` the slots the optimizer has not created yet in this
+    process (before the clear: a shared store may hold their tables already,
+    with keys the checkpoint does not have)."""
+    for _, _, meta in metas:
+        for stream, sm in meta.streams.items():
+            if stream.startswith("slot:") and stream not in targets:
+                targets[stream] = var.slot(stream[len("slot:"):], sm.initial, dim=sm.dim,
+                                           value_dtype=tf.as_dtype(sm.value_dtype))
+
+
+def _first_error(fn) -> Optional[Exception]:
+    """What fn() raised, or None (so that every worker learns of it before
+    raising, instead of leaving the others waiting at a barrier)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - re-raised by the caller
+        return e
+    return None
+
+
+def _validate(var, targets, metas) -> None:
+    """The first pass of restore_variable: raises CheckpointError unless
+    every stream it would load fits its table and every chunk reads back
+    intact.  Reads each chunk and drops it (memory: one chunk)."""
+    for reader, where, meta in metas:
+        for stream, sm in sorted(meta.streams.items()):
+            target = targets.get(stream)
+            if target is None and not stream.startswith("slot:"):
+                continue  # not loaded (see restore_variable)
+            if target is not None and (target.dim != sm.dim or target.value_dtype.name != sm.value_dtype):
+                raise CheckpointError(
+                    f"{where}: stream {stream!r} of Variable {meta.variable!r} holds rows of dim {sm.dim} "
+                    f"({sm.value_dtype}), but {target.name!r} holds dim {target.dim} ({target.value_dtype.name}); "
+                    "restore into a Variable made with the same optimizer, policy and admission filter")
+            try:
+                value_dtype = tf.as_dtype(sm.value_dtype)
+            except TypeError:
+                raise CheckpointError(f"{where}: stream {stream!r} has value dtype {sm.value_dtype!r}, which is "
+                                      "not a TensorFlow dtype; the file is corrupted") from None
+            for _ in fmt.read_stream(reader, stream, meta, var.key_dtype, value_dtype):
+                pass
 
 
 def _clear(variables) -> None:
