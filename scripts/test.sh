@@ -19,6 +19,16 @@ if ! command -v g++ >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
   echo "installing a C++ compiler (tfde compiles its ops against the installed TensorFlow)"
   apt-get update -qq && apt-get install -y -qq g++ >/dev/null
 fi
+# The sanitizer runtimes (libtsan, libasan, libubsan) for tests/test_sanitizers.py,
+# which builds the cuckoo core's stress test with -fsanitize=thread and with
+# -fsanitize=address,undefined.  They come with the compiler's libgcc-N-dev.
+CXX_BIN=$(command -v g++ || command -v c++)
+links_with() { echo 'int main() { return 0; }' | "$CXX_BIN" -x c++ -fsanitize="$1" -o /dev/null - 2>/dev/null; }
+if ! links_with thread || ! links_with address,undefined; then
+  echo "installing the sanitizer runtimes for $CXX_BIN"
+  apt-get update -qq && apt-get install -y -qq "libgcc-$("$CXX_BIN" -dumpversion | cut -d. -f1)-dev" >/dev/null
+  links_with thread && links_with address,undefined || { echo "sanitizer runtimes still missing" >&2; exit 1; }
+fi
 
 if [ ! -f "$VENV/.complete" ]; then
   echo "creating test venv $VENV"

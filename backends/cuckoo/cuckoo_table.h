@@ -167,9 +167,13 @@ constexpr size_t kScratchCacheBytes = size_t{64} << 20;
 
 class ScratchCache {
  public:
+  // Never destroyed: TF's thread pools may still run a kernel while the
+  // process exits, after function-local statics are destroyed; and a
+  // destroyed cache's vector would drop its blocks unfreed (LeakSanitizer
+  // reported them, tests/test_sanitizers.py).  The blocks stay reachable.
   static ScratchCache& Global() {
-    static ScratchCache cache;
-    return cache;
+    static ScratchCache* const cache = new ScratchCache();
+    return *cache;
   }
   // A block of at least `words` uint64s (its size in *got).
   uint64_t* Take(size_t words, size_t* got) {
@@ -636,7 +640,6 @@ class CuckooTable {
   template <class Update>
   void Upsert(const View* keys, int64_t n, const ParallelFor& pfor, Update update) {
     const BatchHashes<View> hashes(keys, n, pfor);
-    std::atomic<int64_t> added{0};
     RunByShardGroups(hashes, n, pfor, [&](auto owns) {
       // Pass 1 updates the keys already present and collects the others, so
       // pass 2 can grow each shard once instead of doubling repeatedly.  A
@@ -659,7 +662,9 @@ class CuckooTable {
       if (fresh.empty()) return;
       for (int s = 0; s < kNumShards; ++s)
         if (fresh_in[s] > 0) shards_[s].shard->Reserve(shards_[s].shard->size() + fresh_in[s]);
-      int64_t created_here = 0;
+      // Counted into size_ while this group's locks are held (SizeDelta),
+      // also when a later key throws: see size_.
+      SizeDelta created_here(&size_);
       for (size_t f = 0; f < fresh.size(); ++f) {
         if (f + kPrefetchDistance < fresh.size()) {
           const uint64_t h = hashes.ih(fresh[f + kPrefetchDistance]);
@@ -670,11 +675,9 @@ class CuckooTable {
         CuckooShard<K>& sh = ShardOf(hashes.ih(i));
         const uint32_t row = sh.FindOrInsert(keys[i], hashes.ih(i), &created);
         update(i, sh.value_at(row), created, hashes.stable(i));
-        created_here += created;
+        created_here.delta += created;
       }
-      added.fetch_add(created_here, std::memory_order_relaxed);
     });
-    size_.fetch_add(added.load(), std::memory_order_relaxed);
   }
 
   // Removes the keys present; returns how many were removed.
@@ -682,15 +685,14 @@ class CuckooTable {
     const BatchHashes<View> hashes(keys, n, pfor);
     std::atomic<int64_t> removed{0};
     RunByShardGroups(hashes, n, pfor, [&](auto owns) {
-      int64_t removed_here = 0;
+      SizeDelta removed_here(&size_);  // counted under this group's locks: see size_
       for (int64_t i = 0; i < n; ++i) {
         const int64_t ahead = i + 2 * kPrefetchDistance;
         if (ahead < n && owns(ahead)) ShardOf(hashes.ih(ahead)).Prefetch(hashes.ih(ahead));
-        if (owns(i)) removed_here += ShardOf(hashes.ih(i)).Remove(keys[i], hashes.ih(i));
+        if (owns(i)) removed_here.delta -= ShardOf(hashes.ih(i)).Remove(keys[i], hashes.ih(i));
       }
-      removed.fetch_add(removed_here, std::memory_order_relaxed);
+      removed.fetch_add(-removed_here.delta, std::memory_order_relaxed);
     });
-    size_.fetch_sub(removed.load(), std::memory_order_relaxed);
     return removed.load();
   }
 
@@ -769,6 +771,18 @@ class CuckooTable {
 
   CuckooShard<K>& ShardOf(uint64_t ih) { return *shards_[ShardIndex(ih)].shard; }
 
+  // Adds `delta` to *size when it goes out of scope: at the end of a shard
+  // group's work, its locks still held, and also when the work throws (rows
+  // created before a CapacityError stay in the shards and are counted).
+  struct SizeDelta {
+    explicit SizeDelta(std::atomic<int64_t>* size) : size(size) {}
+    ~SizeDelta() { size->fetch_add(delta, std::memory_order_relaxed); }
+    SizeDelta(const SizeDelta&) = delete;
+    SizeDelta& operator=(const SizeDelta&) = delete;
+    std::atomic<int64_t>* size;
+    int64_t delta = 0;
+  };
+
   // Splits the shards into one contiguous group per worker.  Each worker
   // locks its group exclusively and calls body(owns), where owns(i) tells
   // whether key i belongs to the group; the body walks the batch in order
@@ -798,7 +812,16 @@ class CuckooTable {
 
   const int64_t value_bytes_;  // bytes of one value row
   Slot shards_[kNumShards];
-  std::atomic<int64_t> size_{0};  // live rows over all shards
+  // Live rows over all shards.  Invariant: every change of a shard's row
+  // count is added here while that shard's lock is held (Upsert and Remove
+  // through SizeDelta, Clear directly), so the per-shard parts of any value
+  // read are each a prefix of that shard's history and Size() is never
+  // negative, nor above the rows stored.  Counting after the locks were
+  // released let a Remove (or Clear) of a key subtract it before the Upsert
+  // that created it had added it: sizes of -4 under concurrent inserts and
+  // removes of the same keys, and ExportOp (which sizes its outputs by
+  // Size()) aborted the process on a negative shape (stress_test.cc, phase 2).
+  std::atomic<int64_t> size_{0};
 };
 
 }  // namespace tfde

@@ -23,6 +23,14 @@ namespace errors = ::tensorflow::errors;
 
 constexpr int64_t kMaxDim = 1 << 16;  // widest row a table accepts
 
+// The `dim` attr of an op, checked.  Shape functions must call this before
+// they size an output by it: InferenceContext aborts the process on a
+// negative dimension (a CHECK failure, not an error).
+inline ::absl::Status CheckDimAttr(int64_t dim) {
+  if (dim < 1 || dim > kMaxDim) return errors::InvalidArgument("dim must be between 1 and ", kMaxDim, ", got ", dim);
+  return ::absl::OkStatus();
+}
+
 // Runs `body` with V bound to the C++ type of `dtype`.
 template <class Body>
 ::absl::Status WithValueType(DataType dtype, Body body) {

@@ -5,6 +5,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -119,12 +122,26 @@ ParallelFor PoolOf(OpKernelContext* ctx) {
   };
 }
 
-#define TFDE_CATCH(ctx, op_name)                                                     \
-  catch (const CapacityError& e) {                                                \
-    (ctx)->CtxFailure(errors::ResourceExhausted(op_name, ": ", e.what()));           \
-  }                                                                               \
-  catch (const std::exception& e) {                                               \
-    (ctx)->CtxFailure(errors::InvalidArgument(op_name, ": ", e.what()));             \
+// A table that cannot take more rows (its memory or its row ids are
+// exhausted: CapacityError, std::bad_alloc from a container, std::length_error
+// from a vector asked to outgrow max_size) fails with RESOURCE_EXHAUSTED and a
+// message that starts with "tfde.CapacityError: ", which tfde/errors.py
+// from_op_error turns back into tfde.CapacityError eagerly (graphs raise
+// tf.errors.ResourceExhaustedError, its base class).  Any other error of the
+// core is a bad argument.
+constexpr char kCapacityPrefix[] = "tfde.CapacityError: ";
+#define TFDE_CATCH(ctx, op_name)                                                                      \
+  catch (const CapacityError& e) {                                                                 \
+    (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": ", e.what()));         \
+  }                                                                                                \
+  catch (const std::bad_alloc&) {                                                                  \
+    (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": out of memory"));      \
+  }                                                                                                \
+  catch (const std::length_error& e) {                                                             \
+    (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": out of memory (", e.what(), ")")); \
+  }                                                                                                \
+  catch (const std::exception& e) {                                                                \
+    (ctx)->CtxFailure(errors::InvalidArgument(op_name, ": ", e.what()));                            \
   }
 
 // ---------------------------------------------------------------- create
@@ -181,8 +198,14 @@ class CreateTableOp : public OpKernel {
         default:
           return errors::InvalidArgument("keys must be int32, int64 or string, not ", DataTypeString(key_dtype_));
       }
+    } catch (const CapacityError& e) {
+      return errors::ResourceExhausted(kCapacityPrefix, "creating a cuckoo table: ", e.what());
+    } catch (const std::bad_alloc&) {
+      return errors::ResourceExhausted(kCapacityPrefix, "creating a cuckoo table: out of memory");
+    } catch (const std::length_error& e) {
+      return errors::ResourceExhausted(kCapacityPrefix, "creating a cuckoo table: out of memory (", e.what(), ")");
     } catch (const std::exception& e) {
-      return errors::ResourceExhausted("creating a cuckoo table: ", e.what());
+      return errors::InvalidArgument("creating a cuckoo table: ", e.what());
     }
   }
 
@@ -215,6 +238,8 @@ class TableOpBase : public OpKernel {
 
   explicit TableOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
     if (HasNodeAttr(ctx->def(), "Tvalue")) OP_REQUIRES_OK(ctx, ctx->GetAttr("Tvalue", &value_dtype_));
+    has_dim_attr_ = HasNodeAttr(ctx->def(), "dim");
+    if (has_dim_attr_) OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_attr_));
   }
 
  protected:
@@ -236,6 +261,13 @@ class TableOpBase : public OpKernel {
     if (value_dtype_ != ::tensorflow::DT_INVALID && raw->value_dtype() != value_dtype_) {
       ctx->CtxFailure(errors::InvalidArgument("values are ", DataTypeString(value_dtype_),
                                               " but the table is a ", raw->Describe()));
+      return nullptr;
+    }
+    // Graphs take the outputs' static shape from the dim attr: one that is
+    // not the table's would make them lie about it.
+    if (has_dim_attr_ && raw->dim() != dim_attr_) {
+      ctx->CtxFailure(errors::InvalidArgument("the op's dim attr is ", dim_attr_, " but the table is a ",
+                                              raw->Describe(), "; pass dim=", raw->dim()));
       return nullptr;
     }
     return static_cast<TypedTable<K>*>(raw);
@@ -262,6 +294,8 @@ class TableOpBase : public OpKernel {
   }
 
   DataType value_dtype_ = ::tensorflow::DT_INVALID;
+  bool has_dim_attr_ = false;  // find and export have a dim attr
+  int64_t dim_attr_ = 0;
 };
 
 // ---------------------------------------------------------------- find
@@ -512,7 +546,9 @@ class StableHashOp : public OpKernel {
  public:
   explicit StableHashOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shards", &num_shards_));
-    OP_REQUIRES(ctx, num_shards_ >= 0, errors::InvalidArgument("num_shards must be >= 0, got ", num_shards_));
+    // Shards are int32 outputs: more than 2^31 - 1 would wrap.
+    OP_REQUIRES(ctx, num_shards_ >= 0 && num_shards_ <= std::numeric_limits<int32_t>::max(),
+                errors::InvalidArgument("num_shards must be between 0 and 2147483647, got ", num_shards_));
   }
   // Output 0: the stable hash as int64 (same bits as the uint64);
   // output 1: the shard among num_shards (0 when num_shards == 0).
@@ -599,6 +635,7 @@ using ::tensorflow::shape_inference::InferenceContext;
 ::absl::Status RowsShape(InferenceContext* c, int keys_input, int output) {
   int64_t dim;
   TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+  TF_RETURN_IF_ERROR(CheckDimAttr(dim));
   shape_inference::ShapeHandle keys;
   TF_RETURN_IF_ERROR(c->WithRank(c->input(keys_input), 1, &keys));
   c->set_output(output, c->Matrix(c->Dim(keys, 0), dim));
@@ -684,6 +721,7 @@ REGISTER_OP("TfdeTableExport")
     .SetShapeFn([](InferenceContext* c) {
       int64_t dim;
       TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      TF_RETURN_IF_ERROR(CheckDimAttr(dim));
       c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
       c->set_output(1, c->Matrix(InferenceContext::kUnknownDim, dim));
       c->set_output(2, c->Scalar());
