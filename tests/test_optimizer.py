@@ -211,3 +211,100 @@ def test_model_without_dense_weights_still_counts_iterations():
             loss = tf.reduce_sum(tfde.embedding_lookup(var, tf.constant([1], tf.int64), training=True))
         opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
     assert int(opt.iterations) == 3
+
+
+# ------------------------------------------- clipping with a non-finite row (issue 15, point 3)
+
+CLIP_IDS = [1, 2, 3, 4, 2, 5]  # key 2 twice: its gradients add up
+NAN_KEY = 3
+
+
+def clip_step(kind, clip_arg, clip, graph, dense_grad=(0.3, -0.4)):
+    """One training step of a dim-3 embedding (plus one dense weight [2])
+    whose gradient row of NAN_KEY holds a NaN.  Returns (rows before, rows
+    after, dense weight after, the Variable)."""
+    cfg = {"learning_rate": 0.1 if kind == "SGD" else 0.01, clip_arg: clip}
+    opt = tfde.DynamicEmbeddingOptimizer(getattr(K, kind)(**cfg))
+    var = tfde.Variable(f"clip_{kind}_{clip_arg}_{graph}", dim=3,
+                        initializer=tf.keras.initializers.RandomUniform(-1, 1, seed=3))
+    w = tf.Variable([1.0, 2.0])
+    coeff = np.arange(1.0, 1.0 + 3 * len(CLIP_IDS)).reshape(-1, 3) / 10.0
+    coeff[CLIP_IDS.index(NAN_KEY), 1] = np.nan
+    ids = tf.constant(CLIP_IDS, tf.int64)
+    keys = sorted(set(CLIP_IDS))
+    before = var.lookup(tf.constant(keys, tf.int64)).numpy().astype(np.float64)
+
+    def step():
+        with tf.GradientTape() as tape:
+            emb = tfde.embedding_lookup(var, ids, training=True)
+            loss = tf.reduce_sum(emb * tf.constant(coeff, tf.float32)) + tf.reduce_sum(w * tf.constant(dense_grad))
+        grads = tape.gradient(loss, [var.step_buffer, w])
+        opt.apply_gradients(zip(grads, [var.step_buffer, w]))
+
+    (tf.function(step) if graph else step)()
+    after = var.lookup(tf.constant(keys, tf.int64)).numpy().astype(np.float64)
+    return cfg, coeff, before, after, w.numpy().astype(np.float64), var
+
+
+def reference_clipped(coeff, clip_arg, clip, dense_grad):
+    """numpy: per-key summed gradients, clipped over the finite rows only;
+    (keys, their gradient or None for the non-finite one, dense gradient)."""
+    summed = {}
+    for k, row in zip(CLIP_IDS, coeff):
+        summed[k] = summed.get(k, 0.0) + row
+    finite = {k: g for k, g in summed.items() if np.all(np.isfinite(g))}
+    sq = sum(float(np.sum(g * g)) for g in finite.values())
+    d = np.asarray(dense_grad, np.float64)
+    if clip_arg == "clipnorm":
+        scale, dense_scale = min(1.0, clip / math.sqrt(sq)), None
+    else:
+        dense_sq = float(np.sum(d * d))
+        finite_dense_sq = dense_sq if math.isfinite(dense_sq) else 0.0
+        scale = min(1.0, clip / math.sqrt(sq + finite_dense_sq))
+        dense_scale = scale if math.isfinite(dense_sq) else float("nan")  # one global norm when all is finite
+    grads = {k: (finite[k] * scale if k in finite else None) for k in summed}
+    return grads, (d if dense_scale is None else d * dense_scale)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("clip_arg,clip", [("clipnorm", 0.5), ("global_clipnorm", 0.7)])
+@pytest.mark.parametrize("kind", ["SGD", "Adam"])
+def test_one_nan_row_skips_only_that_row_under_clipping(kind, clip_arg, clip, graph):
+    dense_grad = (0.3, -0.4)
+    cfg, coeff, before, after, w, var = clip_step(kind, clip_arg, clip, graph, dense_grad)
+    grads, dense = reference_clipped(coeff, clip_arg, clip, dense_grad)
+    keys = sorted(grads)
+    for i, k in enumerate(keys):
+        if grads[k] is None:  # the NaN row: unchanged, and no slot written for it
+            np.testing.assert_array_equal(after[i], before[i])
+            continue
+        slots = {n: np.full(3, v) for n, v in initial_slots(kind, cfg).items()}
+        np.testing.assert_allclose(after[i], np_update(kind, cfg, before[i], grads[k], slots, cfg["learning_rate"], 1),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"key {k}")
+    assert int(var.size()) == len(keys) - 1
+    for slot in var.slots.values():
+        assert sorted(np.concatenate([k.numpy() for k, _ in slot.export()]).tolist()) == \
+            [k for k in keys if k != NAN_KEY]
+    dense_slots = {n: np.full(2, v) for n, v in initial_slots(kind, cfg).items()}
+    np.testing.assert_allclose(w, np_update(kind, cfg, np.array([1.0, 2.0]), dense, dense_slots,
+                                            cfg["learning_rate"], 1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["SGD", "Adam"])
+def test_global_clipnorm_with_a_nan_dense_gradient_clips_rows_over_the_finite_part(kind):
+    # The dense part does what Keras does with a NaN gradient under
+    # global_clipnorm (its weights become NaN); the rows are clipped by the
+    # norm of the finite gradients, and still trained.
+    dense_grad = (float("nan"), 1.0)
+    cfg, coeff, before, after, w, _ = clip_step(kind, "global_clipnorm", 0.7, False, dense_grad)
+    grads, _ = reference_clipped(coeff, "global_clipnorm", 0.7, dense_grad)
+    for i, k in enumerate(sorted(grads)):
+        if grads[k] is None:
+            np.testing.assert_array_equal(after[i], before[i])
+            continue
+        slots = {n: np.full(3, v) for n, v in initial_slots(kind, cfg).items()}
+        np.testing.assert_allclose(after[i], np_update(kind, cfg, before[i], grads[k], slots, cfg["learning_rate"], 1),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"key {k}")
+    plain = tf.Variable([1.0, 2.0])
+    getattr(K, kind)(**cfg).apply_gradients([(tf.constant(dense_grad), plain)])
+    np.testing.assert_array_equal(w, plain.numpy())

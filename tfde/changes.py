@@ -42,12 +42,20 @@ class ChangeLog:
             self.clock = tf.Variable(tf.constant(0.0, tf.float64), trainable=False,
                                      name=f"{variable.name.replace('/', '_')}_changes_clock")
 
+    def step_values(self, keys, step) -> dict:
+        """The labels of the rows a training step (starting at iteration
+        `step`) writes: joined to the step's write of those rows
+        (tfde.Variable._write_step), so a row is never stored unlabelled."""
+        return {self.written: tf.fill([tf.size(keys), 1], tf.cast(step, tf.float64) + 1.0)}
+
     def on_apply(self, keys, step) -> tf.Operation:
-        """Labels the rows a training step (starting at iteration `step`) wrote."""
+        """After the step's write: deletes the written keys' tombstones and
+        advances the clock.  The tombstones live in a Variable of their own
+        (they outlive the rows), so they cannot join that write: when this
+        removal fails after the write (the step then reports the error), a
+        key is stored and tombstoned until a later step writes it again."""
         label = tf.cast(step, tf.float64) + 1.0
-        return tf.group(self.written.upsert(keys, tf.fill([tf.size(keys), 1], label)),
-                        self.evicted.remove(keys),
-                        self.clock.assign(tf.maximum(self.clock, label)))
+        return tf.group(self.evicted.remove(keys), self.clock.assign(tf.maximum(self.clock, label)))
 
     def on_remove(self, keys) -> tf.Operation:
         """Tombstones the stored ones of `keys` (called before removing them)."""

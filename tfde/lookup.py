@@ -64,7 +64,7 @@ def embedding_lookup(var: Variable, ids, training: Optional[bool] = None, name: 
     """
     _check_var(var)
     with tf.name_scope(name or "tfde_embedding_lookup"):
-        ids = ids if tf.is_tensor(ids) else tf.convert_to_tensor(ids, dtype_hint=var.key_dtype)
+        ids = var._key_tensor(ids)  # exact: ids that do not fit the key dtype are refused, never wrapped
         flat = var._keys(tf.reshape(ids, [-1]))
         rows = _rows_for_unique(var, flat, training)
         out = tf.reshape(rows, tf.concat([tf.shape(ids), [var.dim]], 0))

@@ -75,6 +75,13 @@ class _SparseGrad:
         self.var, self.keys, self.grads = var, keys, grads
 
 
+# Optimizer config keys that only the other Keras writes, by the major
+# version of the Keras running: tf-keras (2) reading Keras 3's, and Keras 3
+# reading tf-keras's (DynamicEmbeddingMixin.from_config).
+_OTHER_KERAS_OPTIMIZER_KEYS = {2: frozenset({"loss_scale_factor", "gradient_accumulation_steps"}),
+                               3: frozenset({"is_legacy_optimizer", "jit_compile"})}
+
+
 class DynamicEmbeddingMixin:
     """Methods mixed into the optimizer's class by DynamicEmbeddingOptimizer."""
 
@@ -84,8 +91,38 @@ class DynamicEmbeddingMixin:
         # optimizer from its config, which carries no tfde attributes.
         return _rule_for(self)
 
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        # A saved model's compile config names this class (see
+        # _register_serializable) under either Keras; a config written by
+        # the other Keras would fail in the base class with "Argument(s) not
+        # recognized", so it is refused here naming the Keras that wrote it.
+        running = 2 if cls.__module__.startswith("tf_keras") else 3
+        other = _OTHER_KERAS_OPTIMIZER_KEYS[running].intersection(config)
+        if other:
+            from tfde.errors import ConfigError
+            from tfde.keras.loading import flavour_fix, keras_flavour_name
+
+            saved = 5 - running
+            raise ConfigError(
+                f"the config of optimizer {config.get('name')!r} was written by {keras_flavour_name(saved)} (it "
+                f"has {', '.join(sorted(other))}), but this process runs {keras_flavour_name(running)}; "
+                f"{flavour_fix(saved)}")
+        return super().from_config(config, custom_objects=custom_objects)
+
     def build(self, var_list, *args, **kwargs):
         return super().build([v for v in var_list if not is_step_buffer(v)], *args, **kwargs)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # TF checkpoints of the optimizer also record which slots it keeps
+        # for tfde rows, so that restoring another optimizer's checkpoint is
+        # refused before it changes anything (tfde/saving/registered.py).
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "checkpoint":
+            from tfde.saving import registered
+
+            children = {**children, registered.OPTIMIZER_SLOTS: registered.optimizer_slots(self)}
+        return children
 
     def compute_gradients(self, loss, var_list, tape=None):  # tf-keras; Horovod wraps this
         self._tfde_register_local(var_list)
@@ -127,15 +164,22 @@ class DynamicEmbeddingMixin:
         dense = [(g, v) for g, v in grads_and_vars if not is_step_buffer(v)]
         prepared = [self._tfde_prepare(g, v._tfde_variable) for g, v in sparse]
         prepared = [p for p in prepared if p is not None]
-        scale = self._tfde_global_clip_scale(prepared, dense)
-        if scale is not None:
+        scales = self._tfde_global_clip_scale(prepared, dense)
+        if scales is not None:
+            rows_scale, dense_scale = scales
             for p in prepared:
-                p.grads = p.grads * tf.cast(scale, p.grads.dtype)
-            dense = [(None if g is None else _scale_grad(g, scale), v) for g, v in dense]
-        updates = [self._tfde_apply_rows(p) for p in prepared]
-        with tf.control_dependencies(updates):
+                p.grads = p.grads * tf.cast(rows_scale, p.grads.dtype)
+            dense = [(None if g is None else _scale_grad(g, dense_scale), v) for g, v in dense]
+        # The step buffers are emptied once their keys and gradients are
+        # read, before the writes: a step whose writes fail (the error leaves
+        # apply_gradients; nothing of a key was written, see _tfde_apply_rows)
+        # leaves them empty too, so the next step, or the same batch again,
+        # starts clean.
+        with tf.control_dependencies([t for p in prepared for t in (p.keys, p.grads)]):
             resets = [v._tfde_variable._reset_step_buffer() for _, v in sparse]
-        return dense, resets
+        with tf.control_dependencies(resets):
+            updates = [self._tfde_apply_rows(p) for p in prepared]
+        return dense, updates
 
     # ---------------------------------------------------------------- internals
 
@@ -174,25 +218,50 @@ class DynamicEmbeddingMixin:
         if scale is not None:
             summed = summed / tf.cast(scale, compute)
         clipnorm, clipvalue = hp(self, "clipnorm", None), hp(self, "clipvalue", None)
-        if clipnorm is not None:
-            summed = tf.clip_by_norm(summed, tf.cast(clipnorm, compute))
-        if clipvalue is not None:
-            summed = tf.clip_by_value(summed, -tf.cast(clipvalue, compute), tf.cast(clipvalue, compute))
+        if clipnorm is not None or clipvalue is not None:
+            # Rows whose gradient holds NaN or Inf are skipped (see the module
+            # docstring): so clipping measures, and changes, the finite rows
+            # only, and leaves the others non-finite for _tfde_apply_rows to
+            # skip.  (One NaN row would make the norm NaN; tf.clip_by_norm
+            # then passes every row through unclipped, and clip_by_value
+            # would turn an Inf row into a finite, trained one.)
+            finite = _finite_rows(summed)
+            clipped = tf.where(finite, summed, tf.zeros_like(summed))
+            if clipnorm is not None:
+                clipped = tf.clip_by_norm(clipped, tf.cast(clipnorm, compute))
+            if clipvalue is not None:
+                clipped = tf.clip_by_value(clipped, -tf.cast(clipvalue, compute), tf.cast(clipvalue, compute))
+            summed = tf.where(finite, clipped, summed)
         return _SparseGrad(var, unique, summed)
 
     def _tfde_global_clip_scale(self, prepared, dense):
+        """(scale of the rows' gradients, scale of the dense gradients) for
+        global_clipnorm, or None.  The global norm is taken over the finite
+        rows of the tfde gradients (non-finite rows are skipped, see
+        _tfde_prepare) and over the dense gradients.  A non-finite dense
+        gradient makes the dense scale NaN, as Keras's own clipping does
+        (the dense part keeps Keras's behaviour); the rows are then scaled
+        by the norm of the finite gradients, dense ones included, and still
+        trained.  When everything is finite the two scales are one."""
         clip = hp(self, "global_clipnorm", None)
         if clip is None:
             return None
-        norms = [tf.cast(tf.norm(p.grads), tf.float32) for p in prepared]
-        for g, _ in dense:
-            if g is not None:
-                g = g.values if isinstance(g, tf.IndexedSlices) else g
-                norms.append(tf.cast(tf.norm(g), tf.float32))
-        if not norms:
+        rows_sq = [_sum_of_squares(tf.where(_finite_rows(p.grads), p.grads, tf.zeros_like(p.grads)))
+                   for p in prepared]
+        dense_sq = [_sum_of_squares(g.values if isinstance(g, tf.IndexedSlices) else g)
+                    for g, _ in dense if g is not None]
+        if not rows_sq and not dense_sq:
             return None
-        total = tf.norm(tf.stack(norms))
-        return tf.minimum(1.0, tf.cast(clip, tf.float32) / tf.maximum(total, 1e-12))
+        rows_total = tf.add_n(rows_sq) if rows_sq else tf.constant(0.0)
+        finite_dense = [tf.where(tf.math.is_finite(sq), sq, 0.0) for sq in dense_sq]
+        clip = tf.cast(clip, tf.float32)
+
+        def scale(sum_sq):
+            return tf.minimum(1.0, clip / tf.maximum(tf.sqrt(sum_sq), 1e-12))
+
+        if not dense_sq:
+            return (scale(rows_total),) * 2
+        return scale(rows_total + tf.add_n(finite_dense)), scale(rows_total + tf.add_n(dense_sq))
 
     def _tfde_apply_rows(self, p: _SparseGrad):
         var, rule = p.var, self._tfde_rule
@@ -219,11 +288,14 @@ class DynamicEmbeddingMixin:
         step = tf.identity(self.iterations)
 
         def write(keys):
-            # Rows, slots and policy state of the step's keys are written in
-            # the Variable's write section, so a concurrent removal (restrict)
-            # sees a key in all of its tables or in none.
-            ops = [var.upsert(keys, new_rows)]
-            ops.extend(slot_vars[name].upsert(keys, value) for name, value in new_slots.items())
+            # A key's row, optimizer slots and policy state are one write per
+            # shard (Variable._write_step: Table.insert_with), so a failed
+            # step leaves every key with all of them or none, and it is made
+            # in the Variable's write section, so a concurrent removal
+            # (restrict) sees a key in all of its tables or in none.
+            values = {slot_vars[name]: value for name, value in new_slots.items()}
+            values.update(var._step_state(keys, step))
+            ops = var._write_step(keys, new_rows, values)
             with tf.control_dependencies(ops):
                 ops.extend(var._after_update(keys, step))
             return tf.size(keys), ops
@@ -235,6 +307,18 @@ class DynamicEmbeddingMixin:
             return bool(self._use_weight_decay(var.step_buffer))
         except Exception:  # exclusion lists that cannot judge a raw tf.Variable
             return True
+
+
+def _finite_rows(grads):
+    """[n, 1] bool: whether each row of `grads` ([n, dim]) is all finite."""
+    return tf.reduce_all(tf.math.is_finite(grads), axis=1, keepdims=True)
+
+
+def _sum_of_squares(g):
+    """Sum of the squared entries of `g`, float32 scalar (squared in float32,
+    so float16 gradients do not overflow)."""
+    g = tf.cast(g, tf.float32)
+    return tf.reduce_sum(g * g)
 
 
 def _scale_grad(g, scale):

@@ -1,11 +1,14 @@
 """Restrict policies: which keys a Variable keeps.
 
 A policy is bound to one Variable and told about every training update
-(`on_apply(keys, step)`, called by DynamicEmbeddingOptimizer after it wrote
-the rows of the step's unique keys; lookups for inference never count).  Its
-state lives in a slot of the Variable (same backend, keys and shards, one
-float64 per key), so it is removed together with the rows and the optimizer
-slots and is exported with them.
+of the step's unique keys (lookups for inference never count): its
+`step_values(keys, step)` gives the policy state the step writes, as
+absolute values, which DynamicEmbeddingOptimizer writes together with the
+rows and optimizer slots, all-or-nothing per key (Table.insert_with), and
+its `on_apply(keys, step)` runs after that write for anything else (e.g.
+in-process counters).  Its state lives in a slot of the Variable (same
+backend, keys and shards, one float64 per key), so it is removed together
+with the rows and the optimizer slots and is exported with them.
 
 `variable.restrict(num_reserved, trigger)` keeps the `num_reserved` most
 valuable keys once the Variable holds more than `trigger` (default
@@ -67,10 +70,22 @@ class RestrictPolicy(abc.ABC):
                 f"one instance per Variable or layer (for {variable.name!r} too)")
         self.variable = variable
 
-    @abc.abstractmethod
+    def step_values(self, keys: tf.Tensor, step: tf.Tensor) -> dict:
+        """The policy state a training step writes for its unique `keys`
+        ([n]; `step`: the optimizer's iteration count before the step, int64
+        scalar): {slot Variable of the policy's Variable: values [n, slot.dim]}.
+        Written with the step's rows and optimizer slots, all-or-nothing per
+        key, so a failed step leaves no key with a row and no policy state.
+        Called inside the Variable's write section, just before the write:
+        a read of the current state (a count to increment) sees the value
+        the write replaces.  Nothing ({}) by default."""
+        return {}
+
     def on_apply(self, keys: tf.Tensor, step: tf.Tensor) -> Optional[tf.Operation]:
-        """Called with the unique keys written in a training step and the
-        optimizer's iteration count before that step (int64 scalar)."""
+        """Called with the same arguments once the step's writes are done,
+        for what step_values cannot state (state outside the Variable's
+        slots); returns an op or None.  Nothing by default."""
+        return None
 
     def restrict(self, num_reserved: Optional[int] = None, trigger: Optional[int] = None) -> int:
         """Removes keys the policy does not keep; returns how many."""
@@ -183,8 +198,11 @@ class FrequencyRestrictPolicy(_ScoredPolicy):
 
     state = "frequency"
 
-    def on_apply(self, keys, step):
-        return self.scores.accum(keys, tf.ones([tf.size(keys), 1], tf.float64))
+    def step_values(self, keys, step):
+        # Read and increment (keys are unique, the read runs in the write
+        # section): an absolute value joins the step's all-or-nothing write,
+        # where an accum would be a write of its own.
+        return {self.scores: self.scores._find(keys)[0] + 1.0}
 
 
 class TimestampRestrictPolicy(_ScoredPolicy):
@@ -207,9 +225,8 @@ class TimestampRestrictPolicy(_ScoredPolicy):
     def _now(self, step):
         return tf.timestamp() if self.clock == "wall" else tf.cast(step, tf.float64)
 
-    def on_apply(self, keys, step):
-        now = self._now(step)
-        return self.scores.upsert(keys, tf.fill([tf.size(keys), 1], now))
+    def step_values(self, keys, step):
+        return {self.scores: tf.fill([tf.size(keys), 1], self._now(step))}
 
 
 class TTLPolicy(TimestampRestrictPolicy):
@@ -241,9 +258,7 @@ class TTLPolicy(TimestampRestrictPolicy):
             self._latest_step.assign(self.scores.max_value(-1.0))
 
     def on_apply(self, keys, step):
-        write = super().on_apply(keys, step)
-        with tf.control_dependencies([write] if write is not None else []):
-            return self._latest_step.assign(tf.maximum(self._latest_step, tf.cast(step, tf.float64)))
+        return self._latest_step.assign(tf.maximum(self._latest_step, tf.cast(step, tf.float64)))
 
     def restrict(self, num_reserved=None, trigger=None) -> int:
         if num_reserved is not None or trigger is not None:

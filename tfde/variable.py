@@ -37,8 +37,8 @@ from tfde import exchange as _exchange
 from tfde import initializers as _init
 from tfde.errors import ConfigError, ShapeError
 from tfde.hashing import shard_index
-from tfde.tables.base import DEFAULT_EXPORT_CHUNK_ROWS, TableCreator, as_keys
-from tfde.tables.cuckoo import CuckooTableCreator, check_dtypes
+from tfde.tables.base import DEFAULT_EXPORT_CHUNK_ROWS, TableCreator, as_keys, check_same_count, key_tensor
+from tfde.tables.cuckoo import CuckooTableCreator, check_dtypes, int_arg
 
 
 _SECTION_IDS = itertools.count()
@@ -93,9 +93,11 @@ class Variable(tf.Module):
         super().__init__(name=_module_name(name))
         self._full_name = name
         self.key_dtype, self.value_dtype, self.dim = check_dtypes(key_dtype, value_dtype, dim)
-        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        dim = self.dim  # a Python int from here on (dim may be given as a numpy integer)
+        shards = int_arg(num_shards)  # numpy integers are ints; bools are not
+        if shards is None or shards < 1:
             raise ConfigError(f"num_shards must be an int >= 1, got {num_shards!r}")
-        self.num_shards = num_shards
+        self.num_shards = num_shards = shards
         self.seed = _init.default_seed_for(name, seed)
         self.initializer = _init.resolve(initializer, dim, self.seed)
         self.table_creator = table_creator if table_creator is not None else CuckooTableCreator()
@@ -176,9 +178,15 @@ class Variable(tf.Module):
     def _keys(self, keys) -> tf.Tensor:
         return as_keys(keys, self.key_dtype, self.name)
 
+    def _key_tensor(self, keys) -> tf.Tensor:
+        """`keys` of any shape as a tensor of key_dtype: tensors must have it,
+        Python ints and numpy arrays are converted exactly (an id outside
+        the key dtype's range, or a float, is a ShapeError, never wrapped;
+        tfde.tables.base.key_tensor)."""
+        return key_tensor(keys, self.key_dtype, self.name)
+
     def _flat_keys(self, keys) -> tf.Tensor:
-        keys = tf.convert_to_tensor(keys, dtype_hint=self.key_dtype)
-        return self._keys(keys if keys.shape.rank == 1 else tf.reshape(keys, [-1]))
+        return self._keys(self._key_tensor(keys))
 
     def _missing(self, flat_keys, for_update=False):
         if not for_update and self.admission_filter is not None and self.admission_filter.default == "zeros":
@@ -218,12 +226,30 @@ class Variable(tf.Module):
             if not (values.dtype.is_floating or values.dtype.is_integer):
                 raise ShapeError(f"{what} for {self.name!r} are {values.dtype.name}, expected {self.value_dtype.name}")
             values = tf.cast(values, self.value_dtype)
+        if values.shape.rank == 0:
+            # Refused rather than broadcast: a scalar given for rows is more
+            # often a mistake (a row, or the keys, missing) than a wish to
+            # fill every row with one number, and refusing changes nothing.
+            raise ShapeError(f"{what} for {self.name!r} are a scalar; expected shape keys.shape + [{self.dim}] "
+                             f"(one row of {self.dim} values per key). A scalar is not broadcast: to give every "
+                             f"key the same row pass e.g. tf.fill(tf.concat([tf.shape(keys), [{self.dim}]], 0), "
+                             "value)")
         if values.shape.rank is not None and values.shape.rank >= 1 and values.shape[-1] is not None \
                 and values.shape[-1] != self.dim:
             raise ShapeError(f"{what} for {self.name!r} have last dimension {values.shape[-1]}, but the Variable "
                              f"holds rows of dim {self.dim}; expected shape keys.shape + [{self.dim}]")
         if values.shape.rank == 2 and values.shape[-1] == self.dim:  # already [n, dim]: no op needed
             return values
+        if values.shape.rank is None or values.shape[-1] is None:
+            # A graph's input of unknown shape: the reshape below would
+            # accept rows of another width whenever the sizes divide (none at
+            # all for no keys), so the width is checked when the graph runs.
+            shape = tf.shape(values)
+            fits = (tf.size(shape) >= 1) & tf.reduce_all(tf.equal(shape[-1:], self.dim))
+            check = tf.debugging.Assert(fits, [f"tfde: {what} for {self.name} must have shape keys.shape + "
+                                               f"[{self.dim}] (rows of dim {self.dim}); got shape", shape])
+            with tf.control_dependencies([check]):
+                values = tf.identity(values)
         return tf.reshape(values, [-1, self.dim])
 
     def _for_each_shard(self, flat_keys, rows, fn):
@@ -237,9 +263,13 @@ class Variable(tf.Module):
     def lookup(self, keys, return_exists: bool = False):
         """Rows of `keys`, shape ``keys.shape + [dim]``; never inserts.
 
+        `keys`: a tensor of key_dtype, or Python ints / a numpy integer array
+        (converted exactly: an id outside key_dtype's range, or a float, is
+        a ShapeError; the same holds for every method taking keys).
+
         With return_exists=True also returns a bool tensor of keys.shape
         telling which keys are stored."""
-        keys = tf.convert_to_tensor(keys, dtype_hint=self.key_dtype) if not tf.is_tensor(keys) else keys
+        keys = self._key_tensor(keys)
         find = self._reader()
         if keys.shape.rank == 1:  # the common case needs no reshapes
             values, exists = find(self._keys(keys))
@@ -257,16 +287,14 @@ class Variable(tf.Module):
     def upsert(self, keys, values):
         """Stores `values` (``keys.shape + [dim]``) under `keys`."""
         flat = self._flat_keys(keys)
-        rows = self._rows_arg(values)
-        self._check_count(flat, rows)
+        rows = self._counted(flat, self._rows_arg(values))
         return tf.group(self._for_each_shard(flat, rows, lambda t, k, r: t.insert(k, r)))
 
     def accum(self, keys, deltas):
         """Adds `deltas` to the rows of `keys`; a key not stored yet starts from
         its initial row.  Duplicated keys add up."""
         flat = self._flat_keys(keys)
-        rows = self._rows_arg(deltas, "deltas")
-        self._check_count(flat, rows)
+        rows = self._counted(flat, self._rows_arg(deltas, "deltas"))
 
         def one(table, k, d):
             missing = self._missing(k)
@@ -347,10 +375,29 @@ class Variable(tf.Module):
         return floor
 
     def import_(self, keys, values, replace: bool = False):
-        """Upserts (keys, values); replace=True clears the Variable first."""
+        """Upserts (keys, values); replace=True clears the Variable first
+        (rows and slots).  Bad input (key dtype, row dtype or dim, as many
+        rows as keys) is refused before anything is cleared."""
+        flat = self._flat_keys(keys)
+        rows = self._rows_arg(values)
+        self._check_count(flat, rows)
+        checks = check_same_count(flat, rows, repr(self.name))  # lengths known only when a graph runs
         if replace:
-            self.clear()
-        return self.upsert(keys, values)
+            with tf.control_dependencies(checks):
+                self.clear()
+        with tf.control_dependencies(checks):
+            return self.upsert(flat, rows)
+
+    def _counted(self, flat, rows):
+        """`rows`, once known to hold one row per key of `flat`: statically
+        (ShapeError), or when a graph runs if a length is only known then
+        (split over shards, surplus rows would otherwise be dropped)."""
+        self._check_count(flat, rows)
+        checks = check_same_count(flat, rows, repr(self.name))
+        if not checks:
+            return rows
+        with tf.control_dependencies(checks):
+            return tf.identity(rows)
 
     def _check_count(self, flat, rows):
         if flat.shape[0] is not None and rows.shape[0] is not None and flat.shape[0] != rows.shape[0]:
@@ -374,10 +421,48 @@ class Variable(tf.Module):
                     table_creator=self.table_creator, trainable=False)
         return self._slots[slot_name]
 
+    def _write_step(self, keys, rows, others) -> list:
+        """Writes a training step: `rows` ([n, dim] of value_dtype) under the
+        unique flat `keys` ([n]) and, for each (slot Variable, values
+        [n, slot.dim] of slot.value_dtype) of the dict `others` (optimizer
+        slots, policy state, change labels), its values under the same keys.
+        Per shard, one Table.insert_with call writes them all, so each key
+        gets its row and all of its state or, when the write fails, none of
+        it (the call raises).  Returns the write ops; the optimizer calls it
+        inside the write section (_exclusively)."""
+        others = list(others.items())
+        for slot, _ in others:
+            if slot.num_shards != self.num_shards or slot.key_dtype != self.key_dtype:
+                raise ConfigError(f"{slot.name!r} cannot be written with {self.name!r} in one step: it has "
+                                  f"{slot.num_shards} shards of {slot.key_dtype.name} keys, {self.name!r} has "
+                                  f"{self.num_shards} of {self.key_dtype.name}; make it with {self.name!r}.slot()")
+        if self.num_shards == 1:
+            return self._tables[0].insert_with(keys, rows, [(s._tables[0], v) for s, v in others])
+        parts, pos = self._split(keys)
+        ops = []
+        for i, table in enumerate(self._tables):
+            ops.extend(table.insert_with(parts[i], tf.gather(rows, pos[i]),
+                                         [(s._tables[i], tf.gather(v, pos[i])) for s, v in others]))
+        return ops
+
+    def _step_state(self, keys, step) -> dict:
+        """{slot Variable: values [n, slot.dim]}: what the restrict policy
+        and the change log write for a training step's unique `keys` (`step`:
+        the optimizer's iterations before the step), as absolute values that
+        join the step's write (_write_step).  Called inside the write
+        section, so reads of the current state (frequency counts) see the
+        state the write replaces."""
+        values = {}
+        for hook in (self.restrict_policy, self.changes):
+            if hook is not None:
+                values.update(hook.step_values(keys, step))
+        return values
+
     def _after_update(self, keys, step) -> list:
         """Ops that record a training step's writes of `keys` (the optimizer
-        calls it after writing rows and slots; `step`: its iterations before
-        the step): the restrict policy's state and the change log."""
+        calls it after _write_step; `step`: its iterations before the step):
+        whatever the restrict policy and the change log do besides the
+        values of _step_state (their on_apply)."""
         ops = []
         for hook in (self.restrict_policy, self.changes):
             if hook is not None:

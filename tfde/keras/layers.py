@@ -15,7 +15,7 @@ import tensorflow as tf
 from tfde import initializers as _init
 from tfde.errors import ConfigError
 from tfde.lookup import COMBINERS, _combine, embedding_lookup, embedding_lookup_ragged, embedding_lookup_sparse
-from tfde.tables.base import TableCreator
+from tfde.tables.base import TableCreator, cast_keys, exact_key_array, key_tensor
 from tfde.tables.cuckoo import CuckooTableCreator
 from tfde.variable import Variable
 
@@ -125,7 +125,9 @@ class Embedding(_keras.layers.Layer):
       num_shards, table_creator, restrict_policy, admission_filter, seed,
         track_changes: as tfde.Variable.
       Inputs may also be a tf.SparseTensor or tf.RaggedTensor of ids
-        (combined per row with `combiner`, 'mean' if None).
+        (combined per row with `combiner`, 'mean' if None).  Int tables take
+        ids of any int or float dtype, each checked to be a whole number in
+        the key dtype's range (never wrapped or truncated; see _ids).
 
     The layer's only trainable weight is its Variable's step buffer; train it
     with an optimizer wrapped by tfde.DynamicEmbeddingOptimizer.
@@ -141,12 +143,17 @@ class Embedding(_keras.layers.Layer):
                  restrict_policy=None, admission_filter=None, seed: Optional[int] = None, name: Optional[str] = None,
                  track_changes: bool = False, **kwargs):
         kwargs.pop("dtype", None)
+        kwargs.pop("autocast", None)
         # Keras 3's Sequential gives its implicit InputLayer the first layer's
         # compute dtype, and a policy whose compute and variable dtypes agree
         # opens no autocast scope: so the policy is the key dtype, and string
         # or int ids are never cast to float.  (Rows are not Keras variables.)
+        # autocast=False: Keras would otherwise cast float ids to the
+        # policy's dtype itself (Keras 3: 1.7 -> 1 as int32; tf-keras:
+        # float64 -> float32, which rounds ids above 2**24) before call()
+        # can check them (_ids).
         policy_dtype = tf.as_dtype(key_dtype if _IS_KERAS3 else value_dtype).name
-        super().__init__(name=name, dtype=policy_dtype, **kwargs)
+        super().__init__(name=name, dtype=policy_dtype, autocast=False, **kwargs)
         if combiner is not None and combiner not in COMBINERS:
             raise ConfigError(f"combiner must be None or one of {COMBINERS}, got {combiner!r}")
         self.embedding_size = embedding_size
@@ -163,6 +170,7 @@ class Embedding(_keras.layers.Layer):
                                table_creator=table_creator, restrict_policy=restrict_policy,
                                admission_filter=admission_filter, trainable=self.trainable,
                                track_changes=track_changes)
+        self.embedding_size = self.params.dim  # an int (embedding_size may be a numpy integer)
         if self.params.trainable:
             self._track_step_buffer(self.params.step_buffer)
 
@@ -188,18 +196,34 @@ class Embedding(_keras.layers.Layer):
             shape = tf.TensorShape(inputs.shape)
             return _keras.KerasTensor(self.compute_output_shape(shape), dtype=self.value_dtype.name)
 
+    def _ids(self, ids):
+        """`ids` (a tensor, SparseTensor, RaggedTensor, numpy array or list)
+        with the key dtype.  Like keras.layers.Embedding, ids of another int
+        or float dtype are accepted: Keras builds models on float
+        placeholders unless told otherwise, and data often arrives as int64.
+        Unlike it, the cast is exact: an id that is not a whole number in
+        the key dtype's range (2**32 + 1 or 1.7 for an int32 table) is
+        refused, not wrapped or truncated to another key: a ShapeError
+        eagerly, an InvalidArgumentError naming the table when a graph
+        (model.fit, tf.function) runs (tfde.tables.base.cast_keys).  String
+        tables take string ids only."""
+        name = self.params.name
+        if isinstance(ids, tf.SparseTensor):
+            return tf.SparseTensor(ids.indices, cast_keys(ids.values, self.key_dtype, name), ids.dense_shape)
+        if isinstance(ids, tf.RaggedTensor):
+            return ids.with_flat_values(cast_keys(ids.flat_values, self.key_dtype, name))
+        if tf.is_tensor(ids):
+            return cast_keys(ids, self.key_dtype, name)
+        if self.key_dtype.is_integer:
+            return tf.constant(exact_key_array(ids, self.key_dtype, name, whole_floats=True))
+        return key_tensor(ids, self.key_dtype, name)
+
     def _lookup(self, ids, training, combiner):
+        ids = self._ids(ids)
         if isinstance(ids, tf.SparseTensor):
             return embedding_lookup_sparse(self.params, ids, combiner=combiner or "mean", training=training)
         if isinstance(ids, tf.RaggedTensor):
             return embedding_lookup_ragged(self.params, ids, combiner=combiner or "mean", training=training)
-        ids = tf.convert_to_tensor(ids)
-        if ids.dtype != self.key_dtype and self.key_dtype.is_integer and (ids.dtype.is_integer or
-                                                                          ids.dtype.is_floating):
-            # Like keras.layers.Embedding: Keras builds models on float
-            # placeholders unless told otherwise, so integral ids may arrive
-            # as floats.  String tables get no such cast (and a clear error).
-            ids = tf.cast(ids, self.key_dtype)
         rows = embedding_lookup(self.params, ids, training=training)
         if combiner is None:
             return rows
@@ -244,6 +268,7 @@ class Embedding(_keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config.pop("dtype", None)
+        config.pop("autocast", None)  # always False (see __init__)
         config.update({
             "embedding_size": self.embedding_size,
             "key_dtype": self.key_dtype.name,
@@ -290,7 +315,7 @@ class SquashedEmbedding(Embedding):
     def call(self, inputs, training=None):
         if isinstance(inputs, (tf.SparseTensor, tf.RaggedTensor)):
             return self._lookup(inputs, training, self.combiner)
-        ids = tf.convert_to_tensor(inputs)
+        ids = self._ids(inputs)
         if ids.shape.rank == 1:
             ids = ids[:, None]
         batch = tf.shape(ids)[0]

@@ -11,8 +11,11 @@ its value dtype.  Every method works eagerly and inside ``tf.function``.
 from __future__ import annotations
 
 import abc
+import math
+import numbers
 from typing import Iterator, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 
 from tfde.initializers import InitSpec
@@ -29,10 +32,16 @@ class Table:
 
     A plain base class (not an ABC: backends also derive from TensorFlow
     classes with their own metaclass); every method below must be overridden
-    except export and import_, which are defined in terms of the others.
+    except export, import_ and insert_with, which are defined in terms of
+    the others.
 
     Thread-safety: every method may be called from several threads (or
     concurrent TF ops) at once; each call is atomic per key.
+
+    Writes of one key to several tables: ``insert_with`` upserts a key's row
+    here and its rows in other tables (a training step: the row, every
+    optimizer slot, the policy state) as one write, all-or-nothing per key;
+    a store that can fail part-way (Redis) overrides it.
     """
 
     name: str
@@ -54,6 +63,27 @@ class Table:
     def insert(self, keys, values) -> tf.Operation:
         """Upserts `values` ([n, dim]) under `keys`; the last duplicate wins."""
         raise NotImplementedError
+
+    def insert_with(self, keys, values, others) -> list:
+        """Upserts `values` ([n, dim]) under `keys` here and, for each
+        ``(table, table_values)`` pair of `others`, `table_values`
+        ([n, table.dim] of table.value_dtype) under the same keys in `table`;
+        returns the write ops.  The tables share the key dtype and this
+        backend (they are one Variable's row, slot and policy tables of one
+        shard); `keys` are unique.
+
+        Contract: for every key, either all of its writes are applied or, when
+        the call fails, none of them (a failure never leaves a key's row
+        without its slots), and a failed call raises.  This default writes
+        one table after the other (equivalent to calling insert on self, then
+        on each table of `others`): it keeps the contract for failures an
+        insert reports before writing (bad shapes, dtypes), as the in-process
+        tables do; a store that may fail part-way through a write (a server
+        lost or out of memory) must override it."""
+        ops = [self.insert(keys, values)]
+        for table, table_values in others:
+            ops.append(table.insert(keys, table_values))
+        return [op for op in ops if op is not None]
 
     def accum(self, keys, deltas, missing: Missing) -> tf.Operation:
         """Adds `deltas` to the rows of `keys`; a missing key is inserted as
@@ -88,12 +118,19 @@ class Table:
                 yield keys, values
             cursor = int(nxt)
 
-    def import_(self, keys, values, replace: bool = False) -> None:
+    def import_(self, keys, values, replace: bool = False):
         """Inserts (keys, values); with replace=True clears the table first.
-        Equivalent to clear() (if replace) followed by insert()."""
+        Equivalent to clear() (if replace) followed by insert(), except that
+        bad input (key dtype, row dtype or dim, as many rows as keys) is
+        refused before anything is cleared: a refused import changes nothing."""
+        keys = as_keys(keys, self.key_dtype, self.name)
+        values = as_rows(values, self.value_dtype, self.dim, self.name)
+        checks = check_same_count(keys, values, f"table {self.name!r}")
         if replace:
-            self.clear()
-        self.insert(keys, values)
+            with tf.control_dependencies(checks):
+                self.clear()
+        with tf.control_dependencies(checks):
+            return self.insert(keys, values)
 
 
 class TableCreator(abc.ABC):
@@ -107,22 +144,206 @@ class TableCreator(abc.ABC):
         return {}
 
 
-def as_keys(keys, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
-    """`keys` as a 1-D tensor of `key_dtype`, or a ShapeError saying why not."""
+def check_same_count(keys: tf.Tensor, rows: tf.Tensor, what: str) -> list:
+    """Raises ShapeError when 1-D `keys` and [n, dim] `rows` have statically
+    different lengths; returns the run-time check for lengths a graph only
+    knows when it runs ([] when both are known), for writes to depend on."""
     from tfde.errors import ShapeError
 
-    if not isinstance(keys, (tf.Tensor, tf.Variable)) and not tf.is_tensor(keys):
+    n_keys, n_rows = keys.shape[0] if keys.shape.rank else None, rows.shape[0] if rows.shape.rank else None
+    if n_keys is not None and n_rows is not None:
+        if n_keys != n_rows:
+            raise ShapeError(f"{n_keys} keys but {n_rows} rows for {what}; give one row per key "
+                             f"(values of shape [{n_keys}, dim])")
+        return []
+    return [tf.debugging.assert_equal(tf.size(keys, out_type=tf.int64), tf.shape(rows, out_type=tf.int64)[0],
+                                      message=f"the number of keys and rows differ for {what}; give one row "
+                                              "per key")]
+
+
+# Key conversion is exact.  tf.convert_to_tensor
+# and tf.cast wrap integers that do not fit the key dtype and truncate
+# floats (2**32 + 1 -> 1, 1.7 -> 1 as int32), which would read or overwrite
+# another key's row: so ids that are not tensors are converted here, through
+# numpy, and checked to be integers in the key dtype's range; tensors must
+# already have the key dtype (or go through cast_keys, which checks values).
+_KEY_BITS = {tf.int32: 32, tf.int64: 64}
+
+
+def _key_range(key_dtype: tf.DType) -> Tuple[int, int]:
+    bits = _KEY_BITS[key_dtype]
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+
+def _out_of_range(value, key_dtype: tf.DType, table_name: str):
+    from tfde.errors import ShapeError
+
+    lo, hi = _key_range(key_dtype)
+    return ShapeError(f"key {value!r} for table {table_name!r} is outside the range of its key dtype "
+                      f"{key_dtype.name}, [{lo}, {hi}]; converting it would wrap around to another key. Map or "
+                      f"hash the ids into that range, or create the table with key_dtype=tf.int64")
+
+
+def _not_whole(value, key_dtype: tf.DType, table_name: str, whole_floats: bool):
+    from tfde.errors import ShapeError
+
+    if whole_floats:
+        return ShapeError(f"key {value!r} for table {table_name!r} is not a whole number; its ids must be "
+                          f"integers ({key_dtype.name}): a float id would be truncated to another key")
+    return ShapeError(f"keys for table {table_name!r} must be integers ({key_dtype.name}), got the float "
+                      f"{value!r}; floats are refused even when whole (1.0) because a fraction would be truncated "
+                      f"to another key: cast whole-number ids yourself, e.g. "
+                      f"np.asarray(ids).astype(np.{key_dtype.name})")
+
+
+def exact_key_array(keys, key_dtype: tf.DType, table_name: str, whole_floats: bool = False) -> np.ndarray:
+    """`keys` (a Python int or nested list of them, or a numpy array of any
+    int dtype) as a numpy array of `key_dtype`, of the same shape; a
+    ShapeError names the first id that is not an integer in the dtype's
+    range.  Floats are refused unless `whole_floats` (Keras layers, fed float
+    placeholders): then whole-number floats are accepted, fractions are not."""
+    from tfde.errors import ShapeError
+
+    np_dtype = key_dtype.as_numpy_dtype
+    lo, hi = _key_range(key_dtype)
+    if isinstance(keys, (np.ndarray, np.generic)):
+        arr = np.asarray(keys)
+    else:
+        # An object array keeps Python ints exact: numpy's own conversion
+        # turns [-1, 2**63] into floats and [1, True] into ints.
         try:
-            keys = tf.convert_to_tensor(keys, dtype=key_dtype)
+            arr = np.array(keys, dtype=object)
         except (TypeError, ValueError) as e:
             raise ShapeError(f"keys for table {table_name!r} must be {key_dtype.name}; could not convert "
                              f"{type(keys).__name__}: {e}") from None
-    if keys.dtype != key_dtype:
-        hint = ("cast them with tf.cast(keys, %s)" % key_dtype.name if keys.dtype.is_integer and key_dtype.is_integer
-                else "hash or map them to %s first, or create the table with key_dtype=%s"
-                % (key_dtype.name, keys.dtype.name))
-        raise ShapeError(f"keys for table {table_name!r} are {keys.dtype.name}, expected {key_dtype.name}; {hint}")
-    if keys.shape.rank is not None and keys.shape.rank != 1:
+    if arr.size == 0:
+        return np.zeros(arr.shape, np_dtype)
+    kind = arr.dtype.kind
+    if kind == "O":
+        flat = arr.ravel()
+        for k in flat:
+            if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Real):
+                hint = "; for string ids create the table with key_dtype=tf.string" if isinstance(k, (str, bytes)) \
+                    else ""
+                raise ShapeError(f"keys for table {table_name!r} must be integers ({key_dtype.name}), got "
+                                 f"{k!r} ({type(k).__name__}){hint}")
+            if not isinstance(k, numbers.Integral):
+                if not whole_floats or not math.isfinite(k) or not float(k).is_integer():
+                    raise _not_whole(k, key_dtype, table_name, whole_floats)
+            if not lo <= k <= hi:
+                raise _out_of_range(k, key_dtype, table_name)
+        return np.array([int(k) for k in flat], np_dtype).reshape(arr.shape)
+    if kind in "iu":
+        for bound in (arr.min(), arr.max()):
+            if not lo <= int(bound) <= hi:
+                raise _out_of_range(bound.item(), key_dtype, table_name)
+        return arr.astype(np_dtype)
+    if kind == "f":
+        arr = arr.astype(np.float64)  # holds every float16/32 value exactly; compared without overflow
+        whole = np.isfinite(arr) & (np.floor(arr) == arr)
+        if not whole_floats or not whole.all():
+            raise _not_whole(arr.ravel()[np.argmin(whole.ravel()) if not whole.all() else 0].item(), key_dtype,
+                             table_name, whole_floats)
+        # lo and hi + 1 are powers of two: exact in every float dtype.
+        outside = (arr < lo) | (arr >= float(hi + 1))
+        if outside.any():
+            raise _out_of_range(arr.ravel()[np.argmax(outside.ravel())].item(), key_dtype, table_name)
+        return arr.astype(np_dtype)
+    what = "booleans" if kind == "b" else f"{arr.dtype} values"
+    raise ShapeError(f"keys for table {table_name!r} must be integers ({key_dtype.name}), got {what}"
+                     + ("; for string ids create the table with key_dtype=tf.string" if kind in "US" else ""))
+
+
+def key_tensor(keys, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
+    """`keys` (any shape) as a tensor of `key_dtype`, or a ShapeError saying
+    why not.  A tensor must have the key dtype already (a cast of wider ids
+    could wrap: see cast_keys); other ids are converted exactly
+    (exact_key_array; no floats)."""
+    from tfde.errors import ShapeError
+
+    if isinstance(keys, (tf.Tensor, tf.Variable)) or tf.is_tensor(keys):
+        if keys.dtype != key_dtype:
+            raise ShapeError(f"keys for table {table_name!r} are {keys.dtype.name}, expected {key_dtype.name}; "
+                             + _cast_hint(keys.dtype, key_dtype))
+        return keys
+    if key_dtype == tf.string:
+        try:
+            return tf.convert_to_tensor(keys, dtype=tf.string)
+        except (TypeError, ValueError) as e:
+            raise ShapeError(f"keys for table {table_name!r} must be strings; could not convert "
+                             f"{type(keys).__name__}: {e}") from None
+    if isinstance(keys, (list, tuple)) and any(tf.is_tensor(k) for k in tf.nest.flatten(keys)):
+        return key_tensor(tf.convert_to_tensor(keys), key_dtype, table_name)  # a list of tensors: stacked
+    return tf.constant(exact_key_array(keys, key_dtype, table_name))
+
+
+def _cast_hint(seen: tf.DType, key_dtype: tf.DType) -> str:
+    if key_dtype == tf.string:
+        if seen.is_integer:
+            return ("format the ids as strings first (tf.strings.as_string), or create the table with "
+                    f"key_dtype=tf.{seen.name}")
+        return "give string ids"
+    if seen == tf.string:
+        return "hash the strings (tf.strings.to_hash_bucket_fast) or create the table with key_dtype=tf.string"
+    if seen.is_integer:
+        lo, hi = _key_range(key_dtype)
+        if lo <= seen.min and seen.max <= hi:
+            return f"cast them with tf.cast(keys, tf.{key_dtype.name}) (exact: every {seen.name} fits)"
+        return (f"tf.cast(keys, {key_dtype.name}) is safe only for ids in [{lo}, {hi}] (it wraps others to "
+                f"another key); or create the table with key_dtype=tf.int64")
+    return (f"ids must be integers; tf.cast would truncate fractions to another key: round or hash them "
+            f"explicitly, then cast to {key_dtype.name}")
+
+
+def cast_keys(keys: tf.Tensor, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
+    """Tensor ids of another int or float dtype as `key_dtype`, exactly: every
+    id must be a whole number in the key dtype's range.  Checked on the
+    values: eagerly a ShapeError; in a graph a tf.debugging.Assert that fails
+    the step with an InvalidArgumentError naming the table, and that the
+    cast ids depend on, so nothing reads (or writes) them before it passed.
+    Keras layers use it (Keras feeds float placeholders and int64 data)."""
+    from tfde.errors import ShapeError
+
+    if keys.dtype == key_dtype:
+        return keys
+    if not key_dtype.is_integer or not (keys.dtype.is_integer or keys.dtype.is_floating):
+        raise ShapeError(f"ids for table {table_name!r} are {keys.dtype.name}, expected {key_dtype.name}; "
+                         + _cast_hint(keys.dtype, key_dtype))
+    lo, hi = _key_range(key_dtype)
+    if keys.dtype.is_integer and lo <= keys.dtype.min and keys.dtype.max <= hi:
+        return tf.cast(keys, key_dtype)  # a narrower int dtype: always exact
+    if tf.executing_eagerly() and hasattr(keys, "numpy"):
+        if keys.dtype == tf.bfloat16:  # numpy has no bfloat16; float32 holds every bfloat16 exactly
+            keys = tf.cast(keys, tf.float32)
+        return tf.constant(exact_key_array(keys.numpy(), key_dtype, table_name, whole_floats=True))
+    if keys.dtype.is_floating:
+        # lo and hi + 1 are powers of two: exact in every float dtype (or
+        # beyond float16's range, which is then inside).  NaN fails them all.
+        ok = (tf.floor(keys) == keys) & (keys >= float(lo)) & (keys < float(hi + 1))
+    else:
+        src_lo, src_hi = keys.dtype.min, keys.dtype.max
+        ok = tf.ones_like(keys, tf.bool)
+        if src_lo < lo:
+            ok &= keys >= tf.constant(lo, keys.dtype)
+        if src_hi > hi:
+            ok &= keys <= tf.constant(hi, keys.dtype)
+    ok = tf.reshape(ok, [-1])
+    bad = tf.boolean_mask(tf.reshape(keys, [-1]), tf.logical_not(ok))
+    check = tf.debugging.Assert(
+        tf.reduce_all(ok),
+        # The table's name unquoted: the Assert message escapes quotes.
+        [f"tfde: ids for table {table_name} ({keys.dtype.name}) must be whole numbers in the range of its key "
+         f"dtype {key_dtype.name}, [{lo}, {hi}] (a cast would truncate or wrap them to another key); map or hash "
+         "them into that range, or create the table with key_dtype=tf.int64. Refused ids:", bad], summarize=5)
+    with tf.control_dependencies([check]):
+        return tf.cast(tf.identity(keys), key_dtype)
+
+
+def as_keys(keys, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
+    """`keys` as a 1-D tensor of `key_dtype` (key_tensor, flattened), or a
+    ShapeError saying why not."""
+    keys = key_tensor(keys, key_dtype, table_name)
+    if keys.shape.rank != 1:  # unknown ranks too (a graph's TensorSpec(None))
         keys = tf.reshape(keys, [-1])
     return keys
 

@@ -7,14 +7,17 @@ backends/cuckoo/cuckoo_table.h for the data structure.
 
 from __future__ import annotations
 
-import itertools
 import dataclasses
+import functools
+import itertools
+import numbers
+import os
 
 import tensorflow as tf
 from tensorflow.python.trackable import resource as trackable_resource
 
 from tfde import _native
-from tfde.errors import ConfigError
+from tfde.errors import CapacityError, ConfigError, from_op_error
 from tfde.initializers import InitSpec
 from tfde.tables.base import Table, TableCreator, as_keys, as_rows
 
@@ -23,15 +26,110 @@ _VALUE_DTYPES = (tf.float32, tf.float64, tf.float16, tf.bfloat16)
 _KEY_DTYPES = (tf.int32, tf.int64, tf.string)
 
 
+def int_arg(value):
+    """`value` as a Python int when it is an integer (a Python int or a numpy
+    integer such as np.int64(64)), else None.  Bools are not integers here:
+    dim=True is a mistake, not 1."""
+    if isinstance(value, (bool, tf.Tensor)) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def check_dtypes(key_dtype, value_dtype, dim) -> tuple:
+    """(key dtype, value dtype, dim as an int), or a ConfigError."""
     key_dtype, value_dtype = tf.as_dtype(key_dtype), tf.as_dtype(value_dtype)
     if key_dtype not in _KEY_DTYPES:
         raise ConfigError(f"key_dtype {key_dtype.name} is not supported; use int64, int32 or string")
     if value_dtype not in _VALUE_DTYPES:
         raise ConfigError(f"value_dtype {value_dtype.name} is not supported; use float32, float64, float16 or bfloat16")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= 65536:
+    width = int_arg(dim)
+    if width is None or not 1 <= width <= 65536:
         raise ConfigError(f"dim must be an int between 1 and 65536, got {dim!r}")
-    return key_dtype, value_dtype, dim
+    return key_dtype, value_dtype, width
+
+
+# The presized layout of backends/cuckoo/cuckoo_table.h (kNumShards shards;
+# buckets of kSlotsPerBucket slots, 64 bytes, filled to kMaxLoadFactor; a
+# first arena chunk of 2^k >= rows rows, k in [6, 30]; row ids are uint32),
+# mirrored to size a table before it is made.
+_CORE_SHARDS, _SLOTS_PER_BUCKET, _MAX_LOAD, _BUCKET_BYTES = 64, 5, 0.90, 64
+_MAX_ROWS_PER_SHARD = 0xFFFFFFF0
+
+
+def presized_bytes(key_dtype: tf.DType, value_dtype: tf.DType, dim: int, expected_rows: int) -> int:
+    """Bytes a cuckoo table made with `expected_rows` allocates (and maps)
+    up front: its buckets and its rows' first arena chunks."""
+    if expected_rows <= 0:
+        return 0
+    rows = expected_rows // _CORE_SHARDS + 1
+    buckets = 4
+    while buckets * _SLOTS_PER_BUCKET * _MAX_LOAD < rows:
+        buckets <<= 1
+    log2 = 6
+    while log2 < 30 and (1 << log2) < rows:
+        log2 += 1
+    stride = (dim * value_dtype.size + 7) & ~7
+    key_bytes = {tf.int64: 8, tf.int32: 4}.get(key_dtype, 0)  # string keys live outside the chunks
+    return _CORE_SHARDS * (buckets * _BUCKET_BYTES + (1 << log2) * (stride + key_bytes))
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine, or the cgroup (container) limit when
+    it is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:  # cgroup v2; "max" when unlimited
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.1f} GiB"
+
+
+def check_expected_rows(name, key_dtype, value_dtype, dim, expected_rows) -> None:
+    """Refuses (CapacityError) an expected_rows that no table on this
+    machine can hold, before any memory is asked for: more rows than the
+    table's row ids can number, or more bytes up front than the machine
+    has."""
+    if expected_rows // _CORE_SHARDS + 1 > _MAX_ROWS_PER_SHARD:
+        raise CapacityError(
+            f"expected_rows={expected_rows} for table {name!r} is more than one cuckoo table can hold "
+            f"({_CORE_SHARDS} internal shards of at most {_MAX_ROWS_PER_SHARD} rows); spread the Variable over "
+            "more tables (num_shards=) and ask for fewer rows per table")
+    need, have = presized_bytes(key_dtype, value_dtype, dim, expected_rows), machine_memory_bytes()
+    if need > have:
+        raise CapacityError(
+            f"expected_rows={expected_rows} for table {name!r} ({key_dtype.name} -> {value_dtype.name}[{dim}]) "
+            f"needs {need} bytes ({_gib(need)}) allocated up front, but this machine has {have} bytes "
+            f"({_gib(have)}) of memory; pass a smaller expected_rows (it is per table: every shard and optimizer "
+            "slot of a Variable gets one), or 0 to grow on demand")
+
+
+def _capacity_errors(method):
+    """Runs a CuckooTable method, raising tfde.CapacityError (a
+    tf.errors.ResourceExhaustedError) for an op that ran out of memory or
+    row ids, eagerly.  In a graph the op raises ResourceExhaustedError
+    itself, with a message that starts with "tfde.CapacityError"."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except tf.errors.ResourceExhaustedError as e:
+            if isinstance(e, CapacityError):
+                raise
+            found = from_op_error(e)
+            text = found if found is not e else e.message
+            raise CapacityError(f"cuckoo table {self.name!r} ({self.key_dtype.name} -> {self.value_dtype.name}"
+                                f"[{self.dim}]) cannot take more rows: {text}. Free memory, or spread the "
+                                "Variable over more tables or processes") from None
+
+    return run
 
 
 def native_missing_args(missing, table):
@@ -53,10 +151,15 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
         self.key_dtype, self.value_dtype, self.dim = check_dtypes(key_dtype, value_dtype, dim)
         self.name = name
         self._expected_rows = int(expected_rows)
+        check_expected_rows(name, self.key_dtype, self.value_dtype, self.dim, self._expected_rows)
         self._shared_name = f"tfde:{name}:{next(_uid)}"
         self._ops = _native.load()
         super().__init__()
-        _ = self.resource_handle  # create now, in the current (usually eager) context
+        self._make_resource()  # now, in the current (usually eager) context
+
+    @_capacity_errors
+    def _make_resource(self):
+        _ = self.resource_handle
 
     def _create_resource(self):
         return self._ops.tfde_cuckoo_table(
@@ -69,16 +172,19 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
     def _missing_args(self, missing, n):
         return native_missing_args(missing, self)
 
+    @_capacity_errors
     def find(self, keys, missing):
         keys = as_keys(keys, self.key_dtype, self.name)
         defaults, attrs = self._missing_args(missing, tf.size(keys))
         return self._ops.tfde_table_find(self.resource_handle, keys, defaults, dim=self.dim, **attrs)
 
+    @_capacity_errors
     def insert(self, keys, values):
         keys = as_keys(keys, self.key_dtype, self.name)
         values = as_rows(values, self.value_dtype, self.dim, self.name)
         return self._ops.tfde_table_insert(self.resource_handle, keys, values)
 
+    @_capacity_errors
     def accum(self, keys, deltas, missing):
         keys = as_keys(keys, self.key_dtype, self.name)
         deltas = as_rows(deltas, self.value_dtype, self.dim, self.name, "deltas")
@@ -99,6 +205,7 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
         """Heap bytes held by the table (int64 scalar)."""
         return self._ops.tfde_table_memory_bytes(self.resource_handle)
 
+    @_capacity_errors
     def export_chunk(self, cursor, max_rows):
         return self._ops.tfde_table_export(
             self.resource_handle, tf.cast(cursor, tf.int64), tf.cast(max_rows, tf.int64),
@@ -125,8 +232,10 @@ class CuckooTableCreator(TableCreator):
     expected_rows: int = 0
 
     def __post_init__(self):
-        if isinstance(self.expected_rows, bool) or not isinstance(self.expected_rows, int) or self.expected_rows < 0:
+        rows = int_arg(self.expected_rows)
+        if rows is None or rows < 0:
             raise ConfigError(f"expected_rows must be an int >= 0, got {self.expected_rows!r}")
+        object.__setattr__(self, "expected_rows", rows)  # np.int64 -> int (frozen dataclass)
 
     def create(self, name, key_dtype, value_dtype, dim):
         return CuckooTable(name, key_dtype, value_dtype, dim, expected_rows=self.expected_rows)
