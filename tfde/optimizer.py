@@ -97,7 +97,9 @@ class DynamicEmbeddingMixin:
         # _register_serializable) under either Keras; a config written by
         # the other Keras would fail in the base class with "Argument(s) not
         # recognized", so it is refused here naming the Keras that wrote it.
-        running = 2 if cls.__module__.startswith("tf_keras") else 3
+        # By the Keras classes in the MRO, not cls itself: Horovod's
+        # DistributedOptimizer subclasses this class in a module of its own.
+        running = 2 if any(c.__module__.startswith("tf_keras") for c in cls.__mro__) else 3
         other = _OTHER_KERAS_OPTIMIZER_KEYS[running].intersection(config)
         if other:
             from tfde.errors import ConfigError
