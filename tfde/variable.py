@@ -379,14 +379,11 @@ class Variable(tf.Module):
         (rows and slots).  Bad input (key dtype, row dtype or dim, as many
         rows as keys) is refused before anything is cleared."""
         flat = self._flat_keys(keys)
-        rows = self._rows_arg(values)
-        self._check_count(flat, rows)
-        checks = check_same_count(flat, rows, repr(self.name))  # lengths known only when a graph runs
+        rows = self._counted(flat, self._rows_arg(values))
         if replace:
-            with tf.control_dependencies(checks):
+            with tf.control_dependencies([rows]):  # after the count check, when a graph runs
                 self.clear()
-        with tf.control_dependencies(checks):
-            return self.upsert(flat, rows)
+        return self.upsert(flat, rows)
 
     def _counted(self, flat, rows):
         """`rows`, once known to hold one row per key of `flat`: statically
