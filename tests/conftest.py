@@ -13,6 +13,17 @@ import tfde  # noqa: E402
 from tfde.tables import CuckooTableCreator, ReferenceTableCreator  # noqa: E402
 
 LEGACY_KERAS = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+
+# TensorFlow Recommenders needs tf-keras: its tests run in the tf-keras run of
+# scripts/test.sh and are left out of the Keras 3 run (said in the header).
+TF_KERAS_ONLY = ["test_tfrs.py"]
+collect_ignore = [] if LEGACY_KERAS else list(TF_KERAS_ONLY)
+
+
+def pytest_report_header(config):
+    if not LEGACY_KERAS:
+        return f"Keras 3 run: {', '.join(TF_KERAS_ONLY)} (tfrs, tf-keras only) run in the tf-keras run"
+    return None
 BACKENDS = {"cuckoo": CuckooTableCreator, "reference": ReferenceTableCreator}
 
 

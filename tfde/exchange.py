@@ -37,7 +37,6 @@ This module uses only TensorFlow and imports nothing from tfde.distributed.
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Optional
 
 import numpy as np
@@ -66,6 +65,9 @@ class Exchange:
 
     rank = 0
     size = 1
+    # Whether its collectives may run inside tf.data functions (reads there
+    # happen on tf.data's threads, beside the step; tfde.Variable._reader).
+    collectives_in_tf_data = False
 
     def rows_for(self, unique_keys, find):
         """unique_keys [u]: this worker's deduplicated keys; find(keys) ->
@@ -84,6 +86,14 @@ class Exchange:
         where the engine sums gradients (tf.distribute, whose loss is already
         divided by the global batch); 1/size where it averages them."""
         return 1.0
+
+    def average_dense(self, grads: list) -> list:
+        """The gradients of the dense weights (tensors, IndexedSlices or
+        None), averaged over the workers where the engine leaves that to the
+        optimizer (Horovod without its DistributedOptimizer's
+        compute_gradients); unchanged where the engine does it
+        (tf.distribute aggregates in apply_gradients)."""
+        return grads
 
     def owned(self, keys):
         """bool [k]: which keys this worker owns."""
@@ -272,24 +282,9 @@ def active() -> Optional[Exchange]:
     return GatherExchange(ctx)
 
 
-_warned = set()
-
-
-def warn_if_partial(name: str) -> None:
-    """Warns (once per Variable) when a read runs outside the replica context
-    of a multi-worker strategy: there, no collective can run, so a worker sees
-    only the keys it owns and reads the initial value of all others."""
-    if not tf.distribute.has_strategy() or tf.distribute.get_replica_context() is not None:
-        return
-    strategy = tf.distribute.get_strategy()
-    if strategy.num_replicas_in_sync <= 1 or name in _warned or not tf.executing_eagerly():
-        return
-    _warned.add(name)
-    warnings.warn(
-        f"tfde Variable {name!r} is read outside strategy.run under {type(strategy).__name__} with "
-        f"{strategy.num_replicas_in_sync} workers: this worker sees only the keys it owns. Read inside "
-        "strategy.run (model.predict and model.evaluate do), as the README's 'Distributed training' shows.",
-        stacklevel=3)
+def installed() -> Optional["Exchange"]:
+    """The exchange install() made the one every Variable uses, or None."""
+    return _installed
 
 
 def _refuse_bare_horovod():

@@ -13,7 +13,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfde.errors import ConfigError, ShapeError
-from tfde.variable import Variable
+from tfde.variable import Variable, in_tf_data_function
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -27,16 +27,21 @@ def _tape_recording() -> bool:
 
 
 def _use_buffer(var: Variable, training: Optional[bool]) -> bool:
-    """Whether this lookup feeds the optimizer.
+    """Whether this lookup is part of a training step, and so feeds the
+    optimizer through the step buffer (docs/lookups.md, "Which lookups
+    train").
 
-    training=True/False is obeyed.  training=None means: in eager mode, only
-    under a recording GradientTape; while tracing a tf.function, yes (the
-    optimizer empties the buffer every step)."""
+    Only a lookup made while a GradientTape records (Keras fit and
+    train_step record one; so does a custom loop's `with tf.GradientTape()`)
+    and outside tf.data functions trains, and training=False always reads
+    plainly.  `training=True` alone is not enough: a tf.data map function, a
+    metric's pass over candidates, predict, evaluate and serving may say
+    training=True or None, and a write into the buffer from there would
+    collide with the training step that owns it (tf.data runs its functions
+    on its own threads, while a step is under way)."""
     if not var.trainable or training is False:
         return False
-    if training is True:
-        return True
-    return _tape_recording() if tf.executing_eagerly() else True
+    return _tape_recording() and not in_tf_data_function()
 
 
 def _check_var(var):
@@ -58,9 +63,10 @@ def embedding_lookup(var: Variable, ids, training: Optional[bool] = None, name: 
     Args:
       var: the tfde.Variable.
       ids: tensor of var.key_dtype, any shape (scalar included).
-      training: True routes the rows through the step buffer (gradients
-        reach the optimizer); False is a plain read; None decides as
-        described in _use_buffer.
+      training: False is a plain read.  True or None: the rows go through
+        the step buffer (so gradients reach the optimizer) only when the
+        lookup is part of a training step, a recording GradientTape outside
+        tf.data functions (_use_buffer; docs/lookups.md).
     """
     _check_var(var)
     with tf.name_scope(name or "tfde_embedding_lookup"):

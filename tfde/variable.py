@@ -8,8 +8,9 @@ never written reads its initial row, a deterministic function of (key, seed).
 
 Training: a trainable Variable owns a *step buffer*, a ``tf.Variable`` of
 shape ``[None, dim]`` that holds the rows looked up for training since the
-optimizer's last step, with their keys beside it.  Lookups in training mode
-append to it and gather from it, so the gradient of the loss reaches it as
+optimizer's last step, with their keys beside it.  Lookups that are part of
+a training step (under a recording GradientTape, outside tf.data functions:
+docs/lookups.md) append to it and gather from it, so the gradient of the loss reaches it as
 IndexedSlices; tfde.DynamicEmbeddingOptimizer maps those back to keys, applies
 the update to the touched rows, writes them to the store and empties the
 buffer.  A layer called twice in one step appends twice, so both calls'
@@ -67,7 +68,8 @@ class Variable(tf.Module):
         every training update; see tfde.policy.
       admission_filter: a tfde.CounterFilter or tfde.ProbabilityFilter
         deciding which new keys get stored rows; see tfde.admission.
-      trainable: whether lookups in training mode feed the optimizer.
+      trainable: whether lookups in training steps feed the optimizer
+        (docs/lookups.md).
       track_changes: record which keys training writes and which are
         removed, for incremental exports (tfde.changes,
         tfde.saving.export_changes).
@@ -497,12 +499,52 @@ class Variable(tf.Module):
         return found[:, :self.dim], found[:, self.dim] > 0
 
     def _reader(self):
-        """flat keys -> (rows, exists) for a plain (non-training) read: through
-        the active exchange, or this process's store."""
-        if _exchange.active() is not None:
+        """flat keys -> (rows, exists) for a plain (non-training) read.
+
+        In a job of several workers, a read gives every worker the right
+        rows of every key: through the active exchange (inside a step), or
+        straight from the store when the workers share it (Redis).  tf.data
+        functions run on tf.data's own threads, beside the training step, so
+        they never start a collective of the tf.distribute strategy (whose
+        collectives must run in the same order on every worker; Horovod's
+        match by name and are used).  Where no way gives the right rows, the
+        read is refused (_refuse_partial_read), never answered with the
+        initial rows of the keys other workers own."""
+        ex = _exchange.active()
+        shared = self._tables[0].shared_between_workers
+        if in_tf_data_function():
+            if shared:
+                return self._find
+            if ex is not None and ex.collectives_in_tf_data:
+                return self._find_everywhere
+            self._refuse_partial_read(ex, "in a tf.data function")
+            return self._find
+        if ex is not None:
             return self._find_everywhere
-        _exchange.warn_if_partial(self.name)
+        if not shared:
+            self._refuse_partial_read(None, "outside strategy.run")
         return self._find
+
+    def _workers(self, ex) -> int:
+        """Workers of the job this read belongs to (1: trains alone)."""
+        if ex is not None:
+            return ex.size
+        installed = _exchange.installed()
+        if installed is not None:
+            return installed.size
+        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else self._strategy
+        return 1 if strategy is None else strategy.num_replicas_in_sync
+
+    def _refuse_partial_read(self, ex, where: str) -> None:
+        workers = self._workers(ex)
+        if workers <= 1:
+            return
+        raise ConfigError(
+            f"tfde Variable {self.name!r} is read {where} in a job of {workers} workers, and its tables "
+            f"({type(self._tables[0]).__name__}) are each worker's own: a worker holds only the keys it owns, so "
+            "this read cannot see the rows the other workers hold. Use a store all workers share "
+            "(table_creator=tfde.RedisTableCreator(...)) for this Variable, or read inside the training step or "
+            "strategy.run (model.fit, model.evaluate and model.predict do); see docs/lookups.md")
 
     def _read_unique(self, unique_keys):
         """Rows of deduplicated keys for a plain (non-training) read."""
@@ -535,6 +577,20 @@ class Variable(tf.Module):
     def _reset_step_buffer(self):
         return tf.group(self._rows_buffer.assign(tf.zeros([0, self.dim], self.value_dtype)),
                         self._keys_buffer.assign(tf.zeros([0], self.key_dtype)))
+
+
+def in_tf_data_function() -> bool:
+    """Whether the code running now is being traced into a tf.data function
+    (Dataset.map, filter, reduce, ...; also a tf.function called from one).
+    tf.data names the graphs of its functions after the transformation
+    ("Dataset_map_<fn>", "tf_data_experimental_<...>"); no public API tells."""
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None and hasattr(graph, "outer_graph"):  # FuncGraphs, innermost first
+        name = getattr(graph, "name", "") or ""
+        if name.startswith(("Dataset_", "tf_data_")):
+            return True
+        graph = graph.outer_graph
+    return False
 
 
 def model_variables(model) -> list:
