@@ -65,7 +65,8 @@ class JobFailed(AssertionError):
 
 def load(prefix):
     """({table: {key: row}} over all workers' files, {dense weight: array});
-    fails if two workers store the same key (every key has one owner)."""
+    fails if two workers store the same key (every key has one owner) or
+    hold different dense weights."""
     tables, dense = {}, {}
     for f in sorted(glob.glob(prefix + "-w*.npz")):
         part = dict(np.load(f))
@@ -76,6 +77,9 @@ def load(prefix):
                     assert key not in table, f"key {key!r} of {name[:-5]} is stored by two workers"
                     table[key] = row
             elif name.startswith("dense/"):
+                if name in dense:  # every worker holds the same dense weights
+                    np.testing.assert_allclose(value, dense[name], rtol=1e-6, atol=1e-7,
+                                               err_msg=f"{name} differs between workers ({f})")
                 dense[name] = value
     return tables, dense
 

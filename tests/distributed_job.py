@@ -6,7 +6,12 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          "layout": "cuckoo" | "redis", "redis": {...config...} or null, "steps": T,
          "global_batch": G, "out": "prefix",
          optional: "restore_dir" (restore its latest checkpoint before training),
-         "save_dir" (save a checkpoint there after training), "restrict", "admission", ...}
+         "save_dir" (save a checkpoint there after training; "{rank}" in either is the worker's index), "restrict", "admission",
+         "model": "keras" (default: Keras's train_step) | "tfrs" (a tfrs.Model: its train_step calls
+         tape.gradient and apply_gradients) | "custom_step" (a Keras train_step of our own doing the same),
+         "hvd_wrap": false (the tfde optimizer without hvd.DistributedOptimizer),
+         "plain_optimizer": true (a Keras optimizer not wrapped by tfde: must fail naming the wrapper),
+         "tfdata_read": true (after training, read rows in a tf.data function), ...}
 
 The data are fixed: T global batches of G examples (string user id, int64
 item id, label), the same for every run; the custom loop adds a short last
@@ -86,29 +91,89 @@ if cfg["layout"] == "redis":
     creator = tfde.RedisTableCreator(cfg["redis"])
 
 
+def make_layers(model):
+    """The job's layers, as attributes of `model` (a Keras or tfrs Model)."""
+    emb = dict(initializer=tf.keras.initializers.RandomNormal(stddev=0.3, seed=1), table_creator=creator)
+    if cfg.get("restrict"):
+        emb["restrict_policy"] = tfde.FrequencyRestrictPolicy
+    admission = {"counter": lambda: tfde.CounterFilter(2),
+                 "probability": lambda: tfde.ProbabilityFilter(0.5, seed=3)}.get(cfg.get("admission"))
+    model.user_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.string, name="user_emb",
+                                                 admission_filter=admission and admission(), **emb)
+    model.item_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.int64, name="item_emb",
+                                                 admission_filter=admission and admission(), **emb)
+    model.dense = tf.keras.layers.Dense(4, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2),
+                                        name="dense")
+
+
+def forward(model, features, training):
+    u = model.user_emb(features["user"], training=training)
+    i = model.item_emb(features["item"], training=training)
+    return tf.reduce_sum(model.dense(tf.concat([u, i], axis=1)), axis=1)
+
+
 class Model(tf.keras.Model):
     def __init__(self):
         super().__init__()
-        emb = dict(initializer=tf.keras.initializers.RandomNormal(stddev=0.3, seed=1), table_creator=creator)
-        if cfg.get("restrict"):
-            emb["restrict_policy"] = tfde.FrequencyRestrictPolicy
-        admission = {"counter": lambda: tfde.CounterFilter(2),
-                     "probability": lambda: tfde.ProbabilityFilter(0.5, seed=3)}.get(cfg.get("admission"))
-        self.user_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.string, name="user_emb",
-                                                    admission_filter=admission and admission(), **emb)
-        self.item_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.int64, name="item_emb",
-                                                    admission_filter=admission and admission(), **emb)
-        self.dense = tf.keras.layers.Dense(4, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2),
-                                           name="dense")
+        make_layers(self)
 
     def call(self, features, training=None):
-        u = self.user_emb(features["user"], training=training)
-        i = self.item_emb(features["item"], training=training)
-        return tf.reduce_sum(self.dense(tf.concat([u, i], axis=1)), axis=1)
+        return forward(self, features, training)
+
+
+MULTI_WORKER_STRATEGY = N > 1 and cfg["engine"] != "hvd"
+
+
+def mean_loss(pred, y):
+    """The loss of this worker's examples: their mean under Horovod (which
+    averages gradients) and alone; under MultiWorkerMirroredStrategy (which
+    sums them) divided by the global batch instead."""
+    per_example = tf.square(pred - y)
+    return tf.nn.compute_average_loss(per_example) if MULTI_WORKER_STRATEGY else tf.reduce_mean(per_example)
+
+
+class CustomStepModel(Model):
+    """A train_step of its own: tape.gradient, then apply_gradients (not minimize)."""
+
+    def train_step(self, data):
+        features, y = data
+        with tf.GradientTape() as tape:
+            loss = mean_loss(self(features, training=True), y)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
 
 
 def build():
+    kind = cfg.get("model", "keras")
+    if kind == "custom_step":
+        return CustomStepModel()
+    if kind == "tfrs":
+        import tensorflow_recommenders as tfrs
+
+        class TfrsModel(tfrs.Model):
+            """tfrs.Model.train_step: tape.gradient, then optimizer.apply_gradients."""
+
+            def __init__(self):
+                super().__init__()
+                make_layers(self)
+
+            def call(self, features, training=None):
+                return forward(self, features, training)
+
+            def compute_loss(self, inputs, training=False):
+                features, y = inputs
+                return mean_loss(forward(self, features, training), y)
+
+        return TfrsModel()
     return Model()
+
+
+def compile_model(model, opt):
+    if cfg.get("model", "keras") == "keras":
+        model.compile(optimizer=opt, loss="mse")
+    else:
+        model.compile(optimizer=opt)
 
 
 def restrict_callbacks():
@@ -119,11 +184,14 @@ def restrict_callbacks():
 
 
 def optimizer():
+    if cfg.get("plain_optimizer"):  # the mistake tfde must name: no tfde.DynamicEmbeddingOptimizer
+        opt = tf.keras.optimizers.Adam(0.01)
+        return hvd_keras.DistributedOptimizer(opt) if cfg["engine"] == "hvd" else opt
     if cfg["optimizer"] == "adam":
         opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
     else:
         opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.05))
-    return hvd_keras.DistributedOptimizer(opt) if cfg["engine"] == "hvd" else opt
+    return hvd_keras.DistributedOptimizer(opt) if cfg["engine"] == "hvd" and cfg.get("hvd_wrap", True) else opt
 
 
 def dataset(ctx=None):
@@ -148,7 +216,7 @@ def checkpoints(directory):
 
 def restore_if_asked():
     if cfg.get("restore_dir"):
-        assert checkpoints(cfg["restore_dir"]).restore(), "no checkpoint to restore"
+        assert checkpoints(cfg["restore_dir"].format(rank=index)).restore(), "no checkpoint to restore"
 
 
 if cfg["engine"] != "loop":  # tf-keras restores into what model.fit builds later
@@ -157,7 +225,7 @@ if cfg["engine"] != "loop":  # tf-keras restores into what model.fit builds late
 if cfg["engine"] == "hvd":
     # Each worker's loss is the mean over its examples; Horovod averages
     # gradients, so equal shares make the global mean.
-    model.compile(optimizer=opt, loss="mse")
+    compile_model(model, opt)
 
     def maybe_die(number, logs):
         if index == cfg.get("die_worker") and number == cfg.get("die_after_step"):
@@ -168,7 +236,7 @@ if cfg["engine"] == "hvd":
               + restrict_callbacks())
 elif cfg["engine"] == "fit":
     with strategy.scope():
-        model.compile(optimizer=opt, loss="mse")
+        compile_model(model, opt)
     if N > 1 and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
         data = tf.keras.utils.experimental.DatasetCreator(lambda ctx: dataset(ctx))
         model.fit(data, epochs=1, steps_per_epoch=T, verbose=0, callbacks=restrict_callbacks())
@@ -221,18 +289,27 @@ def dump(var):
     return np.concatenate(keys), np.concatenate(rows)
 
 
+if cfg.get("tfdata_read"):
+    # A tf.data function reads item rows (as a tfrs FactorizedTopK metric over
+    # mapped candidates does): exact with a shared store, refused with each
+    # worker's own tables under MultiWorkerMirroredStrategy.
+    tfde.exchange.barrier(strategy if N > 1 and cfg["engine"] != "hvd" else None)
+    ids = np.unique(all_items)[:60]
+    read = tf.data.Dataset.from_tensor_slices(ids).batch(16).map(lambda x: model.item_emb(x, training=True))
+    rows = np.concatenate([r.numpy() for r in read])
+    np.testing.assert_array_equal(rows, model.item_emb.params._find(tf.constant(ids))[0].numpy())
+    print(f"worker {index}: tf.data read of {len(ids)} rows matches the store", flush=True)
 if cfg.get("save_dir"):
-    checkpoints(cfg["save_dir"]).save()
+    checkpoints(cfg["save_dir"].format(rank=index)).save()
 # Every worker's last writes are done before worker 0 reads the shared tables.
 tfde.exchange.barrier(strategy if N > 1 and cfg["engine"] != "hvd" else None)
-if cfg["layout"] == "cuckoo" or index == 0:
-    out = {}
+out = {}
+if cfg["layout"] == "cuckoo" or index == 0:  # a shared store: worker 0 writes its tables
     for layer in (model.user_emb, model.item_emb):
-        if True:
-            var = layer.params
-            out[f"{layer.name}/keys"], out[f"{layer.name}/rows"] = dump(var)
-            for name, slot in var.slots.items():
-                out[f"{layer.name}/{name}/keys"], out[f"{layer.name}/{name}/rows"] = dump(slot)
-    out["dense/kernel"], out["dense/bias"] = (np.asarray(w) for w in model.dense.get_weights())
-    np.savez(f"{cfg['out']}-w{index}.npz", **out)
+        var = layer.params
+        out[f"{layer.name}/keys"], out[f"{layer.name}/rows"] = dump(var)
+        for name, slot in var.slots.items():
+            out[f"{layer.name}/{name}/keys"], out[f"{layer.name}/{name}/rows"] = dump(slot)
+out["dense/kernel"], out["dense/bias"] = (np.asarray(w) for w in model.dense.get_weights())
+np.savez(f"{cfg['out']}-w{index}.npz", **out)
 print(f"worker {index} done", flush=True)

@@ -137,3 +137,44 @@ def test_a_checkpoint_of_n_workers_restores_into_m(tmp_path, tag, engine, optimi
     check_equal(reference, job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")))
     if layout == "cuckoo":
         check_sharded(tmp_path, 2, prefix="one_to_two")
+
+
+@pytest.mark.keras
+def test_a_model_compiled_without_the_tfde_optimizer_gets_an_error_naming_it(tmp_path, tag):
+    """The mistake of TFRA's MWMS two-tower program (model.compile() without
+    the optimizer it built): the first step fails on every worker naming
+    tfde.DynamicEmbeddingOptimizer, not TFRA #365's colocate_vars_with error."""
+    engine = "fit" if LEGACY else "loop"
+    with pytest.raises(JobFailed) as failed:
+        run_job(tmp_path, 2, engine, "adam", "cuckoo", tag, extra={"plain_optimizer": True, "timeout_s": 60})
+    out = failed.value.output
+    assert "not wrapped by tfde.DynamicEmbeddingOptimizer" in out, out[-3000:]
+    assert "colocate_vars_with" not in out
+
+
+@pytest.mark.parametrize("layout", ["cuckoo", "redis"])
+def test_a_read_in_a_tf_data_function_is_exact_or_refused(tmp_path, tag, layout):
+    """Under MultiWorkerMirroredStrategy a tf.data function (a tfrs metric's
+    candidates.map(item_model)) runs no collective: with a shared store
+    (Redis) it reads the right rows; with each worker's own tables it is
+    refused, naming the fix, instead of reading the initial rows of the keys
+    the other worker owns."""
+    engine = "fit" if LEGACY else "loop"
+    if layout == "redis":
+        run_job(tmp_path, 2, engine, "sgd", layout, tag, extra={"tfdata_read": True})
+        return
+    with pytest.raises(JobFailed) as failed:
+        run_job(tmp_path, 2, engine, "sgd", layout, tag, extra={"tfdata_read": True})
+    out = failed.value.output
+    assert "is read in a tf.data function in a job of 2 workers" in out, out[-3000:]
+    assert "tfde.RedisTableCreator" in out
+
+
+if LEGACY:  # tfrs needs tf-keras: defined in the tf-keras run of scripts/test.sh only
+    @pytest.mark.keras
+    def test_a_tfrs_model_trains_two_workers_like_one(tmp_path, tag):
+        """tfrs.Model.train_step (tape.gradient, then apply_gradients) under
+        MultiWorkerMirroredStrategy with model.fit: 2 workers equal 1 worker."""
+        one = run_job(tmp_path, 1, "fit", "adam", "redis", tag, extra={"model": "tfrs"})
+        two = run_job(tmp_path, 2, "fit", "adam", "redis", tag, extra={"model": "tfrs"})
+        check_equal(one, two)

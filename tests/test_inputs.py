@@ -52,14 +52,15 @@ def test_int32_variable_refuses_ids_outside_int32_and_changes_nothing(ids):
 def test_out_of_range_ids_are_refused_inside_tf_function_too():
     v = int32_variable("wrap32_graph")
 
-    # autograph=False: autograph re-raises a ValueError subclass raised while
-    # tracing as its own StagingError (same message).
-    @tf.function(autograph=False)
-    def write():
-        v.upsert(np.array([2 ** 32 + 5]), [[7.0, 7.0]])
+    # With autograph (the default, and model.fit's) too: tfde errors pass
+    # through it as themselves, not as a StagingError.
+    for autograph in (False, True):
+        @tf.function(autograph=autograph)
+        def write():
+            v.upsert(np.array([2 ** 32 + 5]), [[7.0, 7.0]])
 
-    with pytest.raises(tfde.ShapeError, match="key 4294967301 .* outside the range"):
-        write()
+        with pytest.raises(tfde.ShapeError, match="key 4294967301 .* outside the range"):
+            write()
     assert_only_key_5(v)
 
 

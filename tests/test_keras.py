@@ -198,3 +198,43 @@ def test_summary_and_count_params():
     model.summary(print_fn=lambda line, *a, **k: lines.append(line))
     assert model.count_params() == 8 * 2 + 2  # rows live in the table, not in Keras parameters
     assert any("summ" in line for line in lines)
+
+
+@pytest.mark.parametrize("compile_args", [{}, {"optimizer": "adam"}, {"optimizer": tf.keras.optimizers.SGD(0.1)}],
+                         ids=["no_optimizer", "by_name", "plain_instance"])
+def test_a_model_compiled_without_the_tfde_optimizer_is_told_the_fix(compile_args):
+    """model.compile() without tfde.DynamicEmbeddingOptimizer (the mistake of
+    TFRA's MWMS program): the first step raises naming the wrapper, instead
+    of Keras's "Cannot convert a partially known TensorShape"; nothing is
+    written to the table."""
+    model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, initializer=0.5), tf.keras.layers.Dense(1)])
+    model.compile(loss="mse", **compile_args)
+    data = tf.data.Dataset.from_tensor_slices((np.arange(8, dtype=np.int64), np.ones(8, np.float32))).batch(4)
+    with pytest.raises(tfde.UnsupportedOptimizerError, match=r"not wrapped by tfde.DynamicEmbeddingOptimizer.*"
+                                                             r"model.compile\(optimizer=tfde.DynamicEmbeddingOptimizer"):
+        model.fit(data, epochs=1, verbose=0)
+    assert int(model.layers[0].params.size()) == 0
+
+
+def test_a_wrapped_optimizer_still_builds_and_trains():
+    model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, initializer=0.5), tf.keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.1)))
+    data = tf.data.Dataset.from_tensor_slices((np.arange(8, dtype=np.int64), np.ones(8, np.float32))).batch(4)
+    model.fit(data, epochs=1, verbose=0)
+    assert int(model.layers[0].params.size()) == 8
+
+
+def test_an_unseeded_keras_initializer_gives_the_same_rows_in_every_process():
+    """Keras 3 gives an unseeded initializer a random seed of its own per
+    process; tfde's initial rows must depend on the Variable's name only
+    (every worker, and a process that reloads the model, must agree)."""
+    import subprocess
+    import sys
+
+    code = ("import tensorflow as tf, tfde; l = tfde.keras.layers.Embedding(3, "
+            "initializer=tf.keras.initializers.RandomNormal(), name='same_name'); "
+            "print(l(tf.constant([1, 2], tf.int64)).numpy().round(6).tolist())")
+    env = {**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+            .stdout.strip().splitlines()[-1] for _ in range(2)]
+    assert runs[0] == runs[1], runs

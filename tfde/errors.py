@@ -19,6 +19,13 @@ import tensorflow as tf
 class TfdeError(Exception):
     """Root of every error tfde raises on purpose."""
 
+    # AutoGraph (tf.function, model.fit) re-creates an error raised in
+    # converted code to add its source location, and can do that only for
+    # exceptions with Exception's own constructor: a ConfigError (a
+    # ValueError) would reach the caller as a StagingError.  This attribute
+    # makes AutoGraph let tfde errors through as they are.
+    ag_pass_through = True
+
 
 class _OpError:
     """Lets a tfde error that is also a tf.errors.OpError be raised with its

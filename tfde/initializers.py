@@ -62,7 +62,12 @@ class PerKey:
 
 
 def _seed_of(init, default_seed: int) -> int:
-    seed = getattr(init, "seed", None)
+    """The seed the user gave `init`, else `default_seed`.  Keras 3 gives an
+    unseeded initializer a random .seed of its own in every process (so
+    workers, and a process that reloads a model, would disagree on the
+    initial rows of new keys); the seed the user passed, None when none, is
+    kept in ._init_seed."""
+    seed = getattr(init, "_init_seed", getattr(init, "seed", None))
     if isinstance(seed, int) and not isinstance(seed, bool):
         return seed
     return default_seed

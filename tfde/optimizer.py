@@ -144,7 +144,7 @@ class DynamicEmbeddingMixin:
         grads_and_vars = list(grads_and_vars)
         if not any(is_step_buffer(v) for _, v in grads_and_vars):
             return super().apply_gradients(grads_and_vars, *args, **kwargs)
-        dense, ready = self._tfde_apply_sparse(grads_and_vars)
+        dense, ready = self._tfde_apply_sparse(self._tfde_engine_gradients(grads_and_vars))
         with tf.control_dependencies(ready):
             if dense:
                 return super().apply_gradients(dense, *args, **kwargs)
@@ -153,11 +153,42 @@ class DynamicEmbeddingMixin:
     def apply(self, grads, trainable_variables=None):  # Keras 3's entry point
         if trainable_variables is None or not any(is_step_buffer(v) for v in trainable_variables):
             return super().apply(grads, trainable_variables)
-        dense, ready = self._tfde_apply_sparse(list(zip(grads, trainable_variables)))
+        dense, ready = self._tfde_apply_sparse(self._tfde_engine_gradients(list(zip(grads, trainable_variables))))
         with tf.control_dependencies(ready):
             if dense:
                 return super().apply([g for g, _ in dense], [v for _, v in dense])
             return self._iterations.assign_add(1)
+
+    def _tfde_engine_gradients(self, grads_and_vars):
+        """The pairs with the dense gradients averaged over the workers when
+        the engine left that to the optimizer (Exchange.average_dense), so
+        that a step is exact whatever calls apply_gradients: Keras's default
+        train_step (through minimize and compute_gradients, where Horovod's
+        DistributedOptimizer averages), tfrs.Model.train_step or a custom
+        step (tape.gradient, then apply_gradients directly).  Records in
+        _tfde_engine_scaled whether Horovod also divided the step buffers'
+        gradients by its size (tfde.distributed.horovod)."""
+        if getattr(self, "_agg_helper", None) is not None:
+            raise UnsupportedOptimizerError(
+                "Horovod's DistributedOptimizer with backward_passes_per_step > 1 aggregates gradients locally, "
+                "which tfde's step buffers cannot follow (they hold one step's rows); use "
+                "backward_passes_per_step=1 and a larger batch")
+        # Set by Horovod's DistributedOptimizer when its compute_gradients
+        # averaged this step's gradients (a Python flag: read while tracing),
+        # and never reset by it: reset here, once per step.
+        averaged = bool(getattr(self, "_aggregated_gradients", False))
+        if hasattr(self, "_aggregated_gradients"):
+            self._aggregated_gradients = False
+        self._tfde_engine_scaled = averaged and bool(getattr(self, "scale_local_gradients", False))
+        ex = _exchange.active()
+        if ex is None or averaged:
+            return grads_and_vars
+        positions = [i for i, (_, v) in enumerate(grads_and_vars) if not is_step_buffer(v)]
+        averaged_grads = ex.average_dense([grads_and_vars[i][0] for i in positions])
+        out = list(grads_and_vars)
+        for i, g in zip(positions, averaged_grads):
+            out[i] = (g, grads_and_vars[i][1])
+        return out
 
     def _tfde_apply_sparse(self, grads_and_vars):
         """Applies the step-buffer pairs; returns (dense pairs, possibly
@@ -358,6 +389,44 @@ def _register_serializable(cls, base):
         return keras_module.saving.register_keras_serializable(package="tfde", name=name)(cls)
     except (ImportError, AttributeError):  # pragma: no cover - Keras without a saving API
         return cls
+
+
+def refuse_plain_optimizers(optimizers_module) -> None:
+    """Makes a Keras optimizer that is not wrapped by
+    DynamicEmbeddingOptimizer refuse, when it is first built, to train a
+    tfde step buffer, with an error naming the wrapper.  Without this, the
+    mistake (e.g. model.compile() with Keras's default optimizer) surfaces as
+    an error about the buffer's unknown first dimension, or under
+    MultiWorkerMirroredStrategy as "`colocate_vars_with` must only be passed
+    a variable created in this tf.distribute.Strategy.scope()".  Patches the
+    root build() of the Keras's optimizers (every optimizer's build calls it
+    first); DynamicEmbeddingMixin.build leaves step buffers out before."""
+    roots = [c for c in type.mro(optimizers_module.Optimizer) if "build" in vars(c)]
+    if not roots:  # pragma: no cover - a Keras without build()
+        return
+    root = roots[-1]
+    original = vars(root)["build"]
+    if getattr(original, "_tfde_checked", False):
+        return
+
+    def build(self, var_list, *args, **kwargs):
+        inner = getattr(self, "inner_optimizer", None)  # LossScaleOptimizer builds its inner one with the same list
+        if not isinstance(self, DynamicEmbeddingMixin) and not isinstance(inner, DynamicEmbeddingMixin):
+            tables = sorted({v._tfde_variable.name for v in var_list if is_step_buffer(v)})
+            if tables:
+                name = type(self).__name__
+                raise UnsupportedOptimizerError(
+                    f"the optimizer {name} is asked to train the tfde embedding table(s) {', '.join(tables)}, but "
+                    "it is not wrapped by tfde.DynamicEmbeddingOptimizer, which alone can update table rows. "
+                    f"Compile with model.compile(optimizer=tfde.DynamicEmbeddingOptimizer("
+                    f"tf.keras.optimizers.{name}(...)), ...) (model.compile() without an optimizer uses a plain "
+                    "RMSprop); under Horovod, hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(opt))")
+        return original(self, var_list, *args, **kwargs)
+
+    build._tfde_checked = True
+    build.__wrapped__ = original
+    build.__doc__ = original.__doc__
+    setattr(root, "build", build)
 
 
 def register_keras_optimizers(optimizers_module) -> None:

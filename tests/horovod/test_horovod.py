@@ -40,6 +40,24 @@ def test_two_horovod_workers_equal_one_worker(tmp_path, tag, optimizer, layout):
         check_sharded(tmp_path, 2)
 
 
+@pytest.mark.parametrize("model,wrap,optimizer,layout", [
+    ("tfrs", True, "adam", "cuckoo"),          # the README's recipe with a tfrs.Model
+    ("tfrs", False, "sgd", "redis"),           # TFRA programs' way: the tfde optimizer alone
+    ("custom_step", True, "sgd", "cuckoo"),    # a train_step of one's own calling apply_gradients
+])
+def test_any_train_step_is_exact(tmp_path, tag, model, wrap, optimizer, layout):
+    """tfrs.Model.train_step and custom steps call tape.gradient and
+    apply_gradients, not minimize, so Horovod's DistributedOptimizer averages
+    nothing: tfde averages the dense gradients and divides the rows' by the
+    number of workers itself.  2 ranks equal 1 rank on the combined batch:
+    rows, slots and dense weights (before, rows moved twice as far and the
+    dense weights differed between ranks)."""
+    extra = {"model": model, "hvd_wrap": wrap}
+    one = run_job(tmp_path, 1, "hvd", optimizer, layout, tag, extra=extra)
+    two = run_job(tmp_path, 2, "hvd", optimizer, layout, tag, extra=extra)
+    check_equal(one, two)
+
+
 def test_wrapping_order_is_named_when_reversed():
     opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(0.01))
     with pytest.raises(tfde.UnsupportedOptimizerError,
@@ -87,3 +105,26 @@ def test_horovod_checkpoint_restores_into_another_worker_count(tmp_path, tag):
     check_equal(reference, job(1, "two_to_one", restore_dir=str(tmp_path / "ck2")))
     check_equal(reference, job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")))
     check_sharded(tmp_path, 2, prefix="one_to_two")
+
+
+def test_per_worker_checkpoint_directories(tmp_path, tag):
+    """The maintainer's program saves to model_dir_{rank}: each worker writes
+    and restores its part in its own directory, and training resumes as from
+    one shared directory; restoring such a part into another number of
+    workers is refused, naming the shared directory as the fix."""
+    def job(workers, name, **extra):
+        return run_job(tmp_path, workers, "hvd", "adam", "cuckoo", tag,
+                       extra={"out": str(tmp_path / name), **extra})
+
+    job(2, "first_own", save_dir=str(tmp_path / "model_dir_{rank}"))
+    job(2, "first_shared", save_dir=str(tmp_path / "shared"))
+    for rank in (0, 1):
+        own = tmp_path / f"model_dir_{rank}"
+        assert (own / "checkpoint.json").exists()
+        assert [p.name for p in own.glob("ckpt-*/*.index")] == [f"worker-0000{rank}-of-00002.index"]
+        assert not list(own.glob("*.partial"))
+    check_equal(job(2, "from_shared", restore_dir=str(tmp_path / "shared")),
+                job(2, "from_own", restore_dir=str(tmp_path / "model_dir_{rank}")))
+    with pytest.raises(JobFailed) as failed:
+        job(1, "one", restore_dir=str(tmp_path / "model_dir_0"))
+    assert "save to one directory all workers share" in failed.value.output, failed.value.output[-3000:]
