@@ -16,6 +16,17 @@ Layout of `directory`:
       worker-00001-of-00002.index, ...
     ckpt-000000130.partial/      a save under way, or killed: never read, removed by the next save
 
+Workers may instead each save to a directory of their own (a path with the
+rank in it, as TFRA's Horovod programs write `model_dir_{rank}`): each then
+manages its directory as above, with only its own worker file, and its
+manifest names it ("writers": [rank]).  Such a part restores into the same
+worker of a job of as many workers only (it owns the same keys again);
+restoring into another number of workers needs the one shared directory,
+which holds every worker's file.  Workers that mix the two (some sharing a
+directory, some not) are refused at the first save, and so is a "shared"
+directory in which the first worker does not find every worker's file
+(workers on different disks).
+
 Atomicity: checkpoint.json is the one commit point, and no directory it
 names is ever written again.  Files are written into `<name>.partial/`; when
 every worker is done, the first one writes the manifest, renames the
@@ -36,6 +47,7 @@ show that a crash at every point leaves a checkpoint to restore.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -177,29 +189,52 @@ class CheckpointManager:
         """Writes a checkpoint named after `step` (default: the optimizer's
         iterations) and returns its path.  Every worker calls it.  Saving a
         step again replaces that step's checkpoint (under a new name, see
-        the module docstring)."""
+        the module docstring).
+
+        The workers give one directory they all share (the checkpoint then
+        restores into any number of workers), or each a directory of its
+        own (e.g. with its rank in the path: each worker then writes and
+        restores its part there, and it restores into the same number of
+        workers only); a mix of the two is refused."""
         host = exchange.host_collectives(self._strategy)
         rank, size = (0, 1) if host is None else (host.rank, host.size)
+        own_directory = self._own_directories(host)
+        manages = rank == 0 or own_directory  # the worker that manages this directory's files
         step = self._default_step() if step is None else int(step)
         suffix = 0
-        if rank == 0:
+        if manages:
             os.makedirs(self.directory, exist_ok=True)
             self._remove_leftovers()
             suffix = self._free_suffix(step)
-        if host is not None:  # every worker takes the first one's name (and waits for it: a barrier)
+        if host is not None and not own_directory:  # every worker takes the first one's name (and waits for it)
             suffix = int(host.gather(np.array([suffix], np.int64))[0])
         name = f"ckpt-{step:09d}" + (f"-{suffix}" if suffix else "")
         final = os.path.join(self.directory, name)
         partial = final + PARTIAL
-        if rank == 0:
+        if manages:
             os.makedirs(partial)
         exchange.barrier(self._strategy)
         self._checkpoint.write(_worker_prefix(partial, rank, size))
         exchange.barrier(self._strategy)
-        if rank == 0:
-            self._commit(partial, final, name, step, size)
+        if manages:
+            self._commit(partial, final, name, step, size, [rank] if own_directory else list(range(size)))
         exchange.barrier(self._strategy)
         return final
+
+    def _own_directories(self, host) -> bool:
+        """Whether every worker saves to a directory of its own (False: all
+        share one, or the job has one worker).  Every worker calls it."""
+        if host is None:
+            return False
+        ids = host.gather(np.array([_directory_id(self.directory)], np.int64)).tolist()
+        if len(set(ids)) == 1:
+            return False
+        if len(set(ids)) == len(ids):
+            return True
+        raise CheckpointError(
+            f"the {len(ids)} workers save checkpoints to {len(set(ids))} directories ({self.directory!r} here): "
+            "some share one and some do not. Give all workers one shared directory (a checkpoint that restores "
+            "into any number of workers), or each worker a directory of its own, e.g. with its rank in the path")
 
     def _remove_leftovers(self) -> None:
         """Removes what crashed saves left: `.partial` directories, temporary
@@ -228,21 +263,32 @@ class CheckpointManager:
                 return suffix
             suffix += 1
 
-    def _commit(self, partial: str, final: str, name: str, step: int, size: int) -> None:
+    def _commit(self, partial: str, final: str, name: str, step: int, size: int, writers: List[int]) -> None:
         """Makes the checkpoint in `partial` the latest.  The replace of
         checkpoint.json is the commit: before it the state names the
         previous checkpoints (untouched), after it the new one (complete,
         renamed into place before).  Directories are removed only once the
-        state no longer names them."""
+        state no longer names them.  `writers`: the workers whose files
+        this directory must hold (all of the job's, or this worker's when
+        each has a directory of its own)."""
         point = _CommitPoints()
         point()
+        for w in writers:
+            index = _worker_prefix(partial, w, size) + ".index"
+            if not os.path.exists(index):
+                raise CheckpointError(
+                    f"worker {w}'s files are not in {partial}: the workers do not share {self.directory!r} (each "
+                    "sees a directory of its own, e.g. on its own disk), so this checkpoint would be incomplete. "
+                    "Give every worker the same directory on a filesystem they share, or each worker a directory "
+                    "path of its own (e.g. with its rank in it)")
         files = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
         for f in files:
             with open(os.path.join(partial, f), "rb") as fh:
                 os.fsync(fh.fileno())
-        write_atomic(os.path.join(partial, MANIFEST),
-                     json.dumps({"format": FORMAT_VERSION, "step": step, "workers": size, "files": files},
-                                indent=1, sort_keys=True), point)
+        manifest = {"format": FORMAT_VERSION, "step": step, "workers": size, "files": files}
+        if len(writers) < size:
+            manifest["writers"] = writers  # a directory of one worker's own (save())
+        write_atomic(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True), point)
         state = self._state()
         point()
         os.rename(partial, final)  # `name` is new: nothing is replaced
@@ -270,7 +316,8 @@ class CheckpointManager:
         if path is None:
             return None
         _refuse_unbuilt_keras3_models(self._objects)
-        sources = read_manifest(path)
+        host = exchange.host_collectives(self._strategy)
+        sources = read_manifest(path, (0, 1) if host is None else (host.rank, host.size))
         registered.check_optimizers(self._checkpoint, sources[0][0], sources[0][1])
         registered.restore_sources(sources[0][0], sources)
         self._checkpoint.read(sources[0][0]).expect_partial()
@@ -294,9 +341,18 @@ def _refuse_unbuilt_keras3_models(objects) -> None:
                 "already), then restore()")
 
 
-def read_manifest(path: str):
+def _directory_id(directory: str) -> int:
+    """A number naming `directory` (its real path) on this machine."""
+    digest = hashlib.sha256(os.path.realpath(directory).encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def read_manifest(path: str, worker=None):
     """[(bundle prefix, file name)] of every writer of the checkpoint at
-    `path`, after checking that each file is there with its recorded size."""
+    `path`, after checking that each file is there with its recorded size.
+    worker: (rank, size) of the reading worker in its job; a checkpoint in a
+    directory of one worker's own is read by that worker of a job of the
+    same size only."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.exists(manifest_path):
         raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete tfde checkpoint (a save that "
@@ -318,5 +374,15 @@ def read_manifest(path: str):
         if actual != size:
             raise CheckpointError(f"{file} has {actual} bytes, the manifest says {size}: the file is truncated or "
                                   "was replaced; restore an earlier checkpoint")
+    writers = list(range(workers))
+    if "writers" in manifest:
+        writers = [int(w) for w in manifest["writers"]]
+        rank, size = worker if worker is not None else (0, 1)
+        if size != workers or writers != [rank]:
+            raise CheckpointError(
+                f"{path} holds the part of worker {', '.join(map(str, writers))} of a job of {workers} workers that "
+                "each saved to a directory of its own; it restores only into worker "
+                f"{', '.join(map(str, writers))} of a job of {workers} (this is worker {rank} of {size}). To restore "
+                "into another number of workers, save to one directory all workers share")
     return [(_worker_prefix(path, r, workers), os.path.basename(_worker_prefix(path, r, workers)) + f" in {path}")
-            for r in range(workers)]
+            for r in writers]

@@ -105,19 +105,27 @@ def _check_compatible(var, meta: fmt.VariableMeta, where: str) -> None:
                               f"({var.value_dtype.name}); create it with the saved dim and dtype")
 
 
-def _check_complete(metas: Sequence[Tuple[str, fmt.VariableMeta]]) -> None:
+def _check_complete(metas: Sequence[Tuple[str, fmt.VariableMeta]], rank: int, size: int) -> None:
+    """Refuses shards of local tables that miss some writer's part.  One
+    shard is enough for the worker that wrote it, in a job of as many
+    workers (each worker saved to a directory of its own: it owns the same
+    keys again)."""
     sharded = [m for _, m in metas if m.sharded]
     if not sharded:
         return
     workers = sharded[0].workers
     have = sorted({m.worker for m in sharded})
+    if have == [rank] and workers == size:
+        return
     if have != list(range(workers)):
         where = metas[0][0]
         raise CheckpointError(
             f"{where} holds worker {', '.join(map(str, have))}'s shard of Variable {sharded[0].variable!r}, "
             f"written by {workers} workers with local tables; the other shards are in the other workers' "
-            "files. Save and restore distributed jobs with tfde.saving.CheckpointManager (or "
-            "tfde.keras.callbacks.ModelCheckpoint), which reads every worker's files")
+            f"files. This is worker {rank} of {size}: a shard restores alone only into the worker that wrote it, "
+            "in a job of as many workers. Restore with tfde.saving.CheckpointManager (or "
+            "tfde.keras.callbacks.ModelCheckpoint) from the directory all workers saved to, which holds every "
+            "worker's files, or from this worker's own directory when each worker saved to one")
 
 
 def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
@@ -145,10 +153,10 @@ def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
     if not metas:
         raise CheckpointError(f"{readers[0].where if readers else 'the checkpoint'}: no tfde state for Variable "
                               f"{var.name!r}; the checkpoint belongs to another model")
-    _check_complete([(w, m) for _, w, m in metas])
+    rank, size = worker_of(var)
+    _check_complete([(w, m) for _, w, m in metas], rank, size)
     if not in_checkpoints(var) or not any(m.streams for _, _, m in metas):
         return  # the store is the source of truth: nothing to restore
-    rank, size = worker_of(var)
     shared = var.tables[0].shared_between_workers
     targets = streams(var)
     if shared and size > 1:
