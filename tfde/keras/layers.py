@@ -111,6 +111,42 @@ def _component_from_config(cfg):
     return cls(**cfg.get("config", {}))
 
 
+# Keyword arguments of TFRA's dynamic_embedding Embedding layers that tfde's
+# layers do not take, each with what to write instead.  Without this screen
+# Keras would answer them with its generic "Keyword argument not understood";
+# tfde.compat.tfra translates all of them (docs/migrating-from-tfra.md).
+_TFRA_ONLY_KWARGS = {
+    "kv_creator": "tfde spells it table_creator= (a tfde.CuckooTableCreator or tfde.RedisTableCreator)",
+    "init_capacity": "presize the table with table_creator=tfde.CuckooTableCreator(expected_rows=N)",
+    "devices": "tfde tables live in this process on the CPU; drop devices=",
+    "distribute_strategy": "tfde uses the tf.distribute strategy in scope when the layer is made; drop "
+                           "distribute_strategy=",
+    "with_unique": "tfde always deduplicates ids before they reach the store; drop with_unique=",
+    "with_secondary_unique": "tfde always deduplicates ids before they reach the store; drop "
+                             "with_secondary_unique=",
+    "mpi_size": "tfde takes the number of Horovod workers from tfde.distributed.horovod; drop mpi_size=",
+    "partitioner": "tfde routes keys to its num_shards= tables by its stable hash; drop partitioner=",
+    "bp_v2": "tfde's training steps are synchronous and write each key once per step; drop bp_v2=",
+    "max_norm": "tfde does not clip looked-up rows; drop max_norm= (clip in the model if you need to)",
+    "keep_distribution": "a tfde layer's config always holds its table creator; drop keep_distribution=",
+    "short_file_name": "tfde writes no per-table files (tables are saved in checkpoints); drop short_file_name=",
+    "checkpoint": "tfde always saves a layer's table with the model; drop checkpoint=",
+}
+
+
+def _refuse_tfra_kwargs(layer_class: str, kwargs: dict) -> None:
+    """ConfigError for TFRA-only keyword arguments (_TFRA_ONLY_KWARGS) given
+    to one of tfde's own layers."""
+    found = [name for name in _TFRA_ONLY_KWARGS if name in kwargs]
+    if found:
+        fixes = "; ".join(f"{name}: {_TFRA_ONLY_KWARGS[name]}" for name in found)
+        raise ConfigError(
+            f"tfde layer {layer_class} got TFRA keyword argument(s) {found}, which it does not take. {fixes}. "
+            "Or keep the TFRA spelling and build the layer with tfde.compat.tfra "
+            "(from tfde.compat.tfra import dynamic_embedding as de; de.keras.layers.Embedding(...)), which "
+            "translates it (docs/migrating-from-tfra.md)")
+
+
 @_keras.utils.register_keras_serializable(package="tfde")
 class Embedding(_keras.layers.Layer):
     """Dynamic embedding layer: ids of any shape -> ``ids.shape + [dim]``.
@@ -142,6 +178,7 @@ class Embedding(_keras.layers.Layer):
                  combiner: Optional[str] = None, num_shards: int = 1, table_creator: Optional[TableCreator] = None,
                  restrict_policy=None, admission_filter=None, seed: Optional[int] = None, name: Optional[str] = None,
                  track_changes: bool = False, **kwargs):
+        _refuse_tfra_kwargs(type(self).__name__, kwargs)
         kwargs.pop("dtype", None)
         kwargs.pop("autocast", None)
         # Keras 3's Sequential gives its implicit InputLayer the first layer's
