@@ -11,7 +11,8 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          tape.gradient and apply_gradients) | "custom_step" (a Keras train_step of our own doing the same),
          "hvd_wrap": false (the tfde optimizer without hvd.DistributedOptimizer),
          "plain_optimizer": true (a Keras optimizer not wrapped by tfde: must fail naming the wrapper),
-         "tfdata_read": true (after training, read rows in a tf.data function), ...}
+         "tfdata_read": true (after training, read rows in a tf.data function),
+         "eager_read": true (after training, every worker reads rows eagerly outside strategy.run), ...}
 
 The data are fixed: T global batches of G examples (string user id, int64
 item id, label), the same for every run; the custom loop adds a short last
@@ -289,6 +290,11 @@ def dump(var):
     return np.concatenate(keys), np.concatenate(rows)
 
 
+eager_read = None
+if cfg.get("eager_read"):
+    # Every worker reads item rows eagerly, outside strategy.run.
+    eager_ids = np.unique(all_items)[:60]
+    eager_read = model.item_emb(tf.constant(eager_ids)).numpy()
 if cfg.get("tfdata_read"):
     # A tf.data function reads item rows (as a tfrs FactorizedTopK metric over
     # mapped candidates does): exact with a shared store, refused with each
@@ -311,5 +317,7 @@ if cfg["layout"] == "cuckoo" or index == 0:  # a shared store: worker 0 writes i
         for name, slot in var.slots.items():
             out[f"{layer.name}/{name}/keys"], out[f"{layer.name}/{name}/rows"] = dump(slot)
 out["dense/kernel"], out["dense/bias"] = (np.asarray(w) for w in model.dense.get_weights())
+if eager_read is not None:  # compared between workers like the dense weights (distributed_check.load)
+    out["dense/eager_ids"], out["dense/eager_rows"] = eager_ids, eager_read
 np.savez(f"{cfg['out']}-w{index}.npz", **out)
 print(f"worker {index} done", flush=True)

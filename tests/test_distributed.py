@@ -7,6 +7,7 @@ import os
 import re
 import time
 
+import numpy as np
 import pytest
 
 from distributed_check import JobFailed, check_equal, check_sharded, redis_tag, run_job
@@ -168,6 +169,18 @@ def test_a_read_in_a_tf_data_function_is_exact_or_refused(tmp_path, tag, layout)
     out = failed.value.output
     assert "is read in a tf.data function in a job of 2 workers" in out, out[-3000:]
     assert "tfde.RedisTableCreator" in out
+
+
+def test_an_eager_read_outside_strategy_run_sees_every_workers_keys(tmp_path, tag):
+    """Each worker's own tables: an eager lookup outside strategy.run (every
+    worker makes it, as when a Keras 3 custom loop builds its model on a
+    first batch) goes through the exchange and returns the owner's rows."""
+    engine = "fit" if LEGACY else "loop"
+    tables, dense = run_job(tmp_path, 2, engine, "sgd", "cuckoo", tag, extra={"eager_read": True})
+    stored = [(i, k) for i, k in enumerate(dense["dense/eager_ids"].tolist()) if k in tables["item_emb"]]
+    assert len(stored) >= 10
+    for i, k in stored:
+        np.testing.assert_array_equal(dense["dense/eager_rows"][i], tables["item_emb"][k])
 
 
 if LEGACY:  # tfrs needs tf-keras: defined in the tf-keras run of scripts/test.sh only

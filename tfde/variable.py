@@ -502,14 +502,19 @@ class Variable(tf.Module):
         """flat keys -> (rows, exists) for a plain (non-training) read.
 
         In a job of several workers, a read gives every worker the right
-        rows of every key: through the active exchange (inside a step), or
-        straight from the store when the workers share it (Redis).  tf.data
-        functions run on tf.data's own threads, beside the training step, so
-        they never start a collective of the tf.distribute strategy (whose
-        collectives must run in the same order on every worker; Horovod's
-        match by name and are used).  Where no way gives the right rows, the
-        read is refused (_refuse_partial_read), never answered with the
-        initial rows of the keys other workers own."""
+        rows of every key (docs/lookups.md): through the active exchange
+        (inside a step or strategy.run), or straight from the store when the
+        workers share it (Redis).  An eager read outside strategy.run under
+        MultiWorkerMirroredStrategy runs the exchange through strategy.run
+        itself, so every worker must make it (as every worker builds its
+        model by calling it on a first batch).  tf.data functions run on
+        tf.data's own threads, beside the training step, so they never
+        start a collective of the tf.distribute strategy (whose collectives
+        must run in the same order on every worker; Horovod's match by name
+        and are used): there, with each worker's own tables, the read is
+        refused, never answered with the initial rows of the keys other
+        workers own.  Graphs traced outside strategy.run (Keras building a
+        model or saving it, serving exports) read this worker's store."""
         ex = _exchange.active()
         shared = self._tables[0].shared_between_workers
         if in_tf_data_function():
@@ -521,9 +526,19 @@ class Variable(tf.Module):
             return self._find
         if ex is not None:
             return self._find_everywhere
-        if not shared:
-            self._refuse_partial_read(None, "outside strategy.run")
+        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else self._strategy
+        if not shared and tf.executing_eagerly() and strategy is not None and strategy.num_replicas_in_sync > 1:
+            def collective_read(keys):
+                rows = strategy.run(lambda k: tf.concat(self._find_everywhere_packed(k), 1), args=(keys,))
+                rows = strategy.experimental_local_results(rows)[0]
+                return rows[:, :self.dim], rows[:, self.dim] > 0
+
+            return collective_read
         return self._find
+
+    def _find_everywhere_packed(self, flat_keys):
+        rows, exists = self._find_everywhere(flat_keys)
+        return [rows, tf.cast(exists, rows.dtype)[:, None]]
 
     def _workers(self, ex) -> int:
         """Workers of the job this read belongs to (1: trains alone)."""
