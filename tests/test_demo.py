@@ -1,5 +1,8 @@
 """The demo (README's main command): data, model, CLI."""
 
+import csv
+import re
+
 import numpy as np
 import pytest
 
@@ -74,3 +77,54 @@ def test_policies_and_admission_in_the_demo():
     model = result["model"]
     assert isinstance(model.user_embedding.params.restrict_policy, tfde.FrequencyRestrictPolicy)
     assert isinstance(model.item_embedding.params.admission_filter, tfde.CounterFilter)
+
+
+def test_movielens_csv_writer_round_trips_through_the_reader(tmp_path):
+    ratings_path, movies_path = demo_data.write_movielens_csv(tmp_path / "ml", num_ratings=3_000, num_users=200,
+                                                              num_movies=150, seed=4)
+    source = demo_data.synthetic(3_000, 200, 150, seed=4)
+    read = demo_data.movielens_csv(ratings_path)
+
+    # The same interactions: user_{i} is userId i + 1, the j-th catalogue item movieId j + 1.
+    movie_id = {item: j + 1 for j, item in enumerate(source.all_items.tolist())}
+    expected = sorted((f"user_{int(u[len('user_'):]) + 1}", movie_id[i]) for u, i in
+                      zip(np.concatenate([source.train_users, source.test_users]).tolist(),
+                          np.concatenate([source.train_items, source.test_items]).tolist()))
+    got = sorted(zip(np.concatenate([read.train_users, read.test_users]).tolist(),
+                     np.concatenate([read.train_items, read.test_items]).tolist()))
+    assert got == expected
+
+    with open(ratings_path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["userId", "movieId", "rating", "timestamp"]
+    keys = [(int(r[0]), int(r[1])) for r in rows[1:]]
+    assert keys == sorted(keys)  # MovieLens order: by userId, then movieId
+    assert {float(r[2]) for r in rows[1:]} <= {x / 2 for x in range(1, 11)}
+    assert all(demo_data.FIRST_TIMESTAMP_S <= int(r[3]) <= demo_data.LAST_TIMESTAMP_S for r in rows[1:])
+
+    with open(movies_path, newline="") as f:
+        movies = list(csv.DictReader(f))
+    assert [int(m["movieId"]) for m in movies] == list(range(1, 151))  # the whole catalogue, rated or not
+    for m in movies:
+        match = re.fullmatch(r"Movie (\d+)(, The)? \((\d{4})\)", m["title"])
+        assert match and int(match.group(1)) == int(m["movieId"]), m
+        genres = m["genres"].split("|")
+        assert genres == [demo_data.NO_GENRES] or set(genres) <= set(demo_data.MOVIELENS_GENRES), m
+    raw = open(movies_path).read()
+    assert '\n3,"Movie 3, The (' in raw  # a title with a comma is quoted, as in MovieLens
+
+    first = (open(ratings_path, "rb").read(), raw)
+    demo_data.write_movielens_csv(tmp_path / "ml", num_ratings=3_000, num_users=200, num_movies=150, seed=4)
+    assert (open(ratings_path, "rb").read(), open(movies_path).read()) == first  # deterministic, replaced
+
+
+def test_make_data_command(tmp_path, capsys):
+    assert cli.main(["make-data", str(tmp_path / "d"), "--ratings", "500", "--seed", "2"]) == 0
+    assert "wrote 500 ratings" in capsys.readouterr().out
+    assert len((tmp_path / "d" / "ratings.csv").read_text().splitlines()) == 501
+    assert len(demo_data.movielens_csv(str(tmp_path / "d" / "ratings.csv")).all_items) > 1
+    assert cli.main(["make-data", str(tmp_path / "e"), "--ratings", "0"]) == 2
+    assert "num_ratings must be an int >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "e" / "ratings.csv").exists()
+    with pytest.raises(ValueError, match="num_movies must be an int >= 1, got 2.5"):
+        demo_data.write_movielens_csv(tmp_path / "f", num_movies=2.5)

@@ -2,6 +2,7 @@
 
   tfde train [--data ratings.csv] [--epochs N] ...   train the demo two-tower model
   tfde train --workers 2 [--engine mwms|horovod]     ... with 2 synchronous worker processes
+  tfde make-data DIR [--ratings N] [--seed S]        write synthetic MovieLens CSVs (ratings.csv, movies.csv)
   tfde build [--force]                               compile the op library now (for images)
 """
 
@@ -99,6 +100,20 @@ def _train(args) -> int:
     return 0
 
 
+def _make_data(args) -> int:
+    from tfde.demo.data import write_movielens_csv
+
+    try:
+        paths = write_movielens_csv(args.directory, num_ratings=args.ratings, num_users=args.users,
+                                    num_movies=args.movies, seed=args.seed)
+    except ValueError as e:
+        print(f"tfde make-data: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.ratings:,} ratings of {args.users:,} users and {args.movies:,} movies (seed {args.seed}): "
+          + ", ".join(paths))
+    return 0
+
+
 def _build(args) -> int:
     from tfde import _native
 
@@ -144,6 +159,13 @@ def main(argv=None) -> int:
     t.add_argument("--exchange-stats", action="store_true",
                    help="measure the multi-worker exchange (bytes and time in collectives per step)")
     t.set_defaults(fn=_train)
+    d = sub.add_parser("make-data", help="write the synthetic data as MovieLens CSV files (what examples/ read)")
+    d.add_argument("directory", help="where ratings.csv and movies.csv go (made if missing; files there are replaced)")
+    d.add_argument("--ratings", type=int, default=100_000, help="ratings to write")
+    d.add_argument("--users", type=int, default=1_000)
+    d.add_argument("--movies", type=int, default=1_700, help="movies in the catalogue (movies.csv)")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(fn=_make_data)
     b = sub.add_parser("build", help="compile the native op library for the installed TensorFlow")
     b.add_argument("--force", action="store_true")
     b.set_defaults(fn=_build)

@@ -1,5 +1,6 @@
-"""Interaction data for the demo: a built-in synthetic generator and a
-MovieLens-format CSV reader.
+"""Interaction data for the demo: a built-in synthetic generator, a
+MovieLens-format CSV reader, and a writer of the synthetic data as MovieLens
+CSV files (`tfde make-data`, read by examples/).
 
 Synthetic model (deterministic for a seed):
   * items have power-law popularity: weight of the item of rank r is
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import os
 
 import numpy as np
 
@@ -102,3 +104,89 @@ def _split(users, items, all_items, test_fraction, rng) -> Interactions:
     n_test = max(1, int(len(items) * test_fraction))
     test, train = order[:n_test], order[n_test:]
     return Interactions(users[train], items[train], users[test], items[test], np.asarray(all_items, np.int64))
+
+
+# MovieLens's genre vocabulary (its README, "Movies Data File Structure").
+MOVIELENS_GENRES = ("Action", "Adventure", "Animation", "Children", "Comedy", "Crime", "Documentary", "Drama",
+                    "Fantasy", "Film-Noir", "Horror", "IMAX", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller",
+                    "War", "Western")
+NO_GENRES = "(no genres listed)"
+# Seconds since the epoch of the first and last ratings of MovieLens
+# latest-small; the written timestamps fall between them.
+FIRST_TIMESTAMP_S = 828_124_615
+LAST_TIMESTAMP_S = 1_537_799_250
+
+
+def write_movielens_csv(directory: str, num_ratings: int = 100_000, num_users: int = 1_000,
+                        num_movies: int = 1_700, seed: int = 0):
+    """Writes synthetic() interactions as MovieLens files; returns the paths
+    (ratings.csv, movies.csv) in `directory` (made if missing; files already
+    there are replaced, each atomically).
+
+    ratings.csv: ``userId,movieId,rating,timestamp``, one line per interaction
+    of synthetic(num_ratings, num_users, num_movies, seed=seed) (train and
+    held-out together), sorted by userId then movieId as MovieLens is.  The
+    user ``user_{i}`` of synthetic() is userId i + 1; the item at position j
+    of its ``all_items`` is movieId j + 1 (MovieLens's small ids rather than
+    the generator's sparse ones).  Ratings (0.5 to 5.0 in half stars) and
+    timestamps (seconds) are drawn from the seed too; nothing reads them.
+
+    movies.csv: ``movieId,title,genres`` for every movie of the catalogue,
+    rated or not: titles ``Movie 17 (1995)``, some ``Movie 23, The (1987)``
+    (quoted, as MovieLens quotes titles with commas), genres ``A|B`` from
+    MOVIELENS_GENRES or ``(no genres listed)``.
+
+    Deterministic: the same arguments write the same bytes.
+    """
+    for name, value in (("num_ratings", num_ratings), ("num_users", num_users), ("num_movies", num_movies),
+                        ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < (0 if name == "seed" else 1):
+            raise ValueError(f"write_movielens_csv: {name} must be an int >= {0 if name == 'seed' else 1}, "
+                             f"got {value!r}")
+    directory = os.fspath(directory)
+    data = synthetic(int(num_ratings), int(num_users), int(num_movies), seed=int(seed))
+    users = np.concatenate([data.train_users, data.test_users])
+    items = np.concatenate([data.train_items, data.test_items])
+    user_ids = np.fromiter((int(u[len("user_"):]) for u in users), np.int64, len(users)) + 1
+    by_id = np.argsort(data.all_items)
+    movie_ids = by_id[np.searchsorted(data.all_items, items, sorter=by_id)].astype(np.int64) + 1
+
+    # A generator of its own: ratings and titles do not change synthetic()'s draws.
+    rng = np.random.default_rng([int(seed), 0x4D4C])
+    ratings = rng.integers(1, 11, size=len(items)) / 2
+    timestamps = rng.integers(FIRST_TIMESTAMP_S, LAST_TIMESTAMP_S + 1, size=len(items))
+    order = np.lexsort((timestamps, movie_ids, user_ids))
+
+    os.makedirs(directory, exist_ok=True)
+    ratings_path = os.path.join(directory, "ratings.csv")
+    movies_path = os.path.join(directory, "movies.csv")
+    _write_csv(ratings_path, ["userId", "movieId", "rating", "timestamp"],
+               ((user_ids[i], movie_ids[i], f"{ratings[i]:.1f}", timestamps[i]) for i in order))
+    years = rng.integers(1920, 2019, size=num_movies)
+    # 1 to 3 genres; about 1% "(no genres listed)" (0.3% of MovieLens latest-small).
+    num_genres = np.where(rng.random(num_movies) < 0.01, 0, rng.integers(1, 4, size=num_movies))
+
+    def movies():
+        for j in range(num_movies):
+            movie_id = j + 1
+            title = f"Movie {movie_id}, The ({years[j]})" if movie_id % 10 == 3 else f"Movie {movie_id} ({years[j]})"
+            picked = sorted(rng.choice(len(MOVIELENS_GENRES), size=num_genres[j], replace=False))
+            yield movie_id, title, "|".join(MOVIELENS_GENRES[g] for g in picked) or NO_GENRES
+
+    _write_csv(movies_path, ["movieId", "title", "genres"], movies())
+    return ratings_path, movies_path
+
+
+def _write_csv(path: str, header, rows) -> None:
+    """Writes a CSV as MovieLens does (\\n line ends, fields quoted only when
+    they hold a comma or a quote) to a temporary file, then renames it."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f, lineterminator="\n", quoting=csv.QUOTE_MINIMAL)
+            writer.writerow(header)
+            writer.writerows(rows)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
