@@ -7,12 +7,13 @@ TFRA option tfde does not have is refused with a message naming the fix."""
 import json
 import os
 import sys
-import uuid
 
 import numpy as np
 import pytest
 import redis
 import tensorflow as tf
+
+from distributed_check import redis_tag
 
 import tfde
 import tfde.compat.tfra as tfra
@@ -37,12 +38,8 @@ TFRA_REDIS_CONFIG = {
 
 @pytest.fixture
 def tag():
-    t = f"tfde-compat-{uuid.uuid4().hex[:12]}"
-    yield t
-    client = redis.Redis()
-    keys = list(client.scan_iter(match=f"{t}:*"))
-    if keys:
-        client.delete(*keys)
+    with redis_tag() as t:
+        yield t
 
 
 @pytest.fixture
