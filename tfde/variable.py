@@ -10,8 +10,8 @@ Training: a trainable Variable owns a *step buffer*, a ``tf.Variable`` of
 shape ``[None, dim]`` that holds the rows looked up for training since the
 optimizer's last step, with their keys beside it.  Lookups that are part of
 a training step (under a recording GradientTape, outside tf.data functions:
-docs/lookups.md) append to it and gather from it, so the gradient of the loss reaches it as
-IndexedSlices; tfde.DynamicEmbeddingOptimizer maps those back to keys, applies
+docs/lookups.md) append to it and gather from it, so the gradient of the
+loss reaches it as IndexedSlices; tfde.DynamicEmbeddingOptimizer maps those back to keys, applies
 the update to the touched rows, writes them to the store and empties the
 buffer.  A layer called twice in one step appends twice, so both calls'
 gradients are applied.
@@ -487,6 +487,11 @@ class Variable(tf.Module):
     def _find_everywhere(self, flat_keys):
         """(rows, exists) of keys that may be owned by any worker of the
         active exchange (tfde/exchange.py); every worker must call it."""
+        return self._unpack(self._find_everywhere_packed(flat_keys))
+
+    def _find_everywhere_packed(self, flat_keys):
+        """_find_everywhere's rows and exists as one [n, dim + 1] tensor
+        (exists as 0/1 in the last column: one exchange carries both)."""
         ex = _exchange.active()
         unique, positions = tf.unique(flat_keys, out_idx=tf.int32)
 
@@ -495,8 +500,10 @@ class Variable(tf.Module):
             return tf.concat([rows, tf.cast(exists, rows.dtype)[:, None]], 1)
 
         _, found, mine = ex.rows_for(unique, find)
-        found = tf.gather(found, tf.gather(mine, positions))
-        return found[:, :self.dim], found[:, self.dim] > 0
+        return tf.gather(found, tf.gather(mine, positions))
+
+    def _unpack(self, packed):
+        return packed[:, :self.dim], packed[:, self.dim] > 0
 
     def _reader(self):
         """flat keys -> (rows, exists) for a plain (non-training) read.
@@ -526,19 +533,19 @@ class Variable(tf.Module):
             return self._find
         if ex is not None:
             return self._find_everywhere
-        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else self._strategy
+        strategy = self._job_strategy()
         if not shared and tf.executing_eagerly() and strategy is not None and strategy.num_replicas_in_sync > 1:
             def collective_read(keys):
-                rows = strategy.run(lambda k: tf.concat(self._find_everywhere_packed(k), 1), args=(keys,))
-                rows = strategy.experimental_local_results(rows)[0]
-                return rows[:, :self.dim], rows[:, self.dim] > 0
+                packed = strategy.run(self._find_everywhere_packed, args=(keys,))
+                return self._unpack(strategy.experimental_local_results(packed)[0])
 
             return collective_read
         return self._find
 
-    def _find_everywhere_packed(self, flat_keys):
-        rows, exists = self._find_everywhere(flat_keys)
-        return [rows, tf.cast(exists, rows.dtype)[:, None]]
+    def _job_strategy(self):
+        """The tf.distribute strategy in scope, else the one this Variable
+        was created under (None: none)."""
+        return tf.distribute.get_strategy() if tf.distribute.has_strategy() else self._strategy
 
     def _workers(self, ex) -> int:
         """Workers of the job this read belongs to (1: trains alone)."""
@@ -547,7 +554,7 @@ class Variable(tf.Module):
         installed = _exchange.installed()
         if installed is not None:
             return installed.size
-        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else self._strategy
+        strategy = self._job_strategy()
         return 1 if strategy is None else strategy.num_replicas_in_sync
 
     def _refuse_partial_read(self, ex, where: str) -> None:
