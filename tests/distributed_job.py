@@ -11,8 +11,10 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          tape.gradient and apply_gradients) | "custom_step" (a Keras train_step of our own doing the same),
          "hvd_wrap": false (the tfde optimizer without hvd.DistributedOptimizer),
          "plain_optimizer": true (a Keras optimizer not wrapped by tfde: must fail naming the wrapper),
-         "tfdata_read": true (after training, read rows in a tf.data function),
-         "eager_read": true (after training, every worker reads rows eagerly outside strategy.run), ...}
+         "tfdata_read": true (after training, every worker reads rows in tf.data functions) or "unequal"
+         (worker 1 runs one read more),
+         "eager_read": true (after training, every worker reads rows eagerly outside strategy.run),
+         "topk_metric": true (model "tfrs": a FactorizedTopK metric over candidates.map(item tower)), ...}
 
 The data are fixed: T global batches of G examples (string user id, int64
 item id, label), the same for every run; the custom loop adds a short last
@@ -158,12 +160,17 @@ def build():
             def __init__(self):
                 super().__init__()
                 make_layers(self)
+                if cfg.get("topk_metric"):  # as the TFRA programs write it: the item tower mapped over candidates
+                    candidates = tf.data.Dataset.from_tensor_slices(np.unique(all_items)).batch(16)
+                    self.topk = tfrs.metrics.FactorizedTopK(candidates=candidates.map(self.item_emb), ks=(1, 5, 10))
 
             def call(self, features, training=None):
                 return forward(self, features, training)
 
             def compute_loss(self, inputs, training=False):
                 features, y = inputs
+                if cfg.get("topk_metric"):  # as tfrs.tasks.Retrieval updates its metric
+                    self.topk.update_state(self.user_emb(features["user"]), self.item_emb(features["item"]))
                 return mean_loss(forward(self, features, training), y)
 
         return TfrsModel()
@@ -295,16 +302,28 @@ if cfg.get("eager_read"):
     # Every worker reads item rows eagerly, outside strategy.run.
     eager_ids = np.unique(all_items)[:60]
     eager_read = model.item_emb(tf.constant(eager_ids)).numpy()
+tfdata_read = None
 if cfg.get("tfdata_read"):
     # A tf.data function reads item rows (as a tfrs FactorizedTopK metric over
-    # mapped candidates does): exact with a shared store, refused with each
-    # worker's own tables under MultiWorkerMirroredStrategy.
+    # mapped candidates does), every worker the same batches: straight from
+    # a shared store; through the strategy's collectives with each worker's
+    # own tables under MultiWorkerMirroredStrategy (compared with the owners'
+    # rows by the test, like the dense weights between workers).
     tfde.exchange.barrier(strategy if N > 1 and cfg["engine"] != "hvd" else None)
-    ids = np.unique(all_items)[:60]
-    read = tf.data.Dataset.from_tensor_slices(ids).batch(16).map(lambda x: model.item_emb(x, training=True))
-    rows = np.concatenate([r.numpy() for r in read])
-    np.testing.assert_array_equal(rows, model.item_emb.params._find(tf.constant(ids))[0].numpy())
-    print(f"worker {index}: tf.data read of {len(ids)} rows matches the store", flush=True)
+    tfdata_ids = np.unique(all_items)[:60]
+    read = tf.data.Dataset.from_tensor_slices(tfdata_ids).batch(16).map(lambda x: model.item_emb(x, training=True))
+    tfdata_read = np.concatenate([r.numpy() for r in read])
+    if cfg["layout"] != "cuckoo":
+        np.testing.assert_array_equal(tfdata_read, model.item_emb.params._find(tf.constant(tfdata_ids))[0].numpy())
+    # String keys, in a parallel map: the same rows as an eager read (which
+    # goes through strategy.run).
+    user_ids = np.unique(all_users)[:40]
+    read = tf.data.Dataset.from_tensor_slices(user_ids).batch(8).map(model.user_emb, num_parallel_calls=4)
+    if cfg.get("tfdata_read") == "unequal" and index == 1:  # one worker runs the read once more
+        read = read.concatenate(read.take(1))
+    user_rows = np.concatenate([r.numpy() for r in read])
+    np.testing.assert_array_equal(user_rows, model.user_emb(tf.constant(user_ids)).numpy())
+    print(f"worker {index}: tf.data read of {len(tfdata_ids)} rows", flush=True)
 if cfg.get("save_dir"):
     checkpoints(cfg["save_dir"].format(rank=index)).save()
 # Every worker's last writes are done before worker 0 reads the shared tables.
@@ -319,5 +338,9 @@ if cfg["layout"] == "cuckoo" or index == 0:  # a shared store: worker 0 writes i
 out["dense/kernel"], out["dense/bias"] = (np.asarray(w) for w in model.dense.get_weights())
 if eager_read is not None:  # compared between workers like the dense weights (distributed_check.load)
     out["dense/eager_ids"], out["dense/eager_rows"] = eager_ids, eager_read
+if tfdata_read is not None:
+    out["dense/tfdata_ids"], out["dense/tfdata_rows"] = tfdata_ids, tfdata_read
+if cfg.get("topk_metric"):  # accumulated over all steps; aggregated over the workers
+    out["dense/topk"] = np.array([float(r) for r in model.topk.result()])
 np.savez(f"{cfg['out']}-w{index}.npz", **out)
 print(f"worker {index} done", flush=True)

@@ -489,10 +489,11 @@ class Variable(tf.Module):
         active exchange (tfde/exchange.py); every worker must call it."""
         return self._unpack(self._find_everywhere_packed(flat_keys))
 
-    def _find_everywhere_packed(self, flat_keys):
+    def _find_everywhere_packed(self, flat_keys, ex=None):
         """_find_everywhere's rows and exists as one [n, dim + 1] tensor
-        (exists as 0/1 in the last column: one exchange carries both)."""
-        ex = _exchange.active()
+        (exists as 0/1 in the last column: one exchange carries both);
+        through `ex`, else the active exchange."""
+        ex = ex or _exchange.active()
         unique, positions = tf.unique(flat_keys, out_idx=tf.int32)
 
         def find(keys):
@@ -514,14 +515,15 @@ class Variable(tf.Module):
         workers share it (Redis).  An eager read outside strategy.run under
         MultiWorkerMirroredStrategy runs the exchange through strategy.run
         itself, so every worker must make it (as every worker builds its
-        model by calling it on a first batch).  tf.data functions run on
-        tf.data's own threads, beside the training step, so they never
-        start a collective of the tf.distribute strategy (whose collectives
-        must run in the same order on every worker; Horovod's match by name
-        and are used): there, with each worker's own tables, the read is
-        refused, never answered with the initial rows of the keys other
-        workers own.  Graphs traced outside strategy.run (Keras building a
-        model or saving it, serving exports) read this worker's store."""
+        model by calling it on a first batch).  A tf.data function has no
+        replica context: with each worker's own tables it reads through
+        Horovod's exchange (whose collectives match by name) or, under
+        tf.distribute, through DatasetGatherExchange, which launches the
+        strategy's collectives itself (every worker must run the read as
+        often); elsewhere it is refused, never answered with the initial
+        rows of the keys other workers own.  Graphs traced outside
+        strategy.run (Keras building a model or saving it, serving exports)
+        read this worker's store."""
         ex = _exchange.active()
         shared = self._tables[0].shared_between_workers
         if in_tf_data_function():
@@ -529,6 +531,10 @@ class Variable(tf.Module):
                 return self._find
             if ex is not None and ex.collectives_in_tf_data:
                 return self._find_everywhere
+            strategy = self._job_strategy()
+            if _exchange.installed() is None and strategy is not None and strategy.num_replicas_in_sync > 1:
+                reads = _exchange.DatasetGatherExchange(strategy, self._full_name)
+                return lambda keys: self._unpack(self._find_everywhere_packed(keys, reads))
             self._refuse_partial_read(ex, "in a tf.data function")
             return self._find
         if ex is not None:
