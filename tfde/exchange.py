@@ -240,8 +240,7 @@ class DatasetGatherExchange(Exchange):
         valid = tf.sequence_mask(counts, tf.shape(blocks, out_type=tf.int64)[1] - 1)
         every = tf.boolean_mask(blocks[:, 1:], valid)  # [sum(counts), width], in worker order
         if strings:
-            joined = tf.strings.reduce_join(tf.gather(tf.constant(_BYTES), every[:, :-1]), axis=1)
-            every = tf.strings.substr(joined, tf.zeros_like(every[:, -1]), every[:, -1])
+            every = _strings_from_codes(every[:, :-1], every[:, -1])
         else:
             every = tf.cast(every[:, 0], unique_keys.dtype)
         union, index = tf.unique(every, out_idx=tf.int32)
@@ -527,5 +526,11 @@ def _transport_keys(keys, move, max_over_workers):
     codes = tf.cast(tf.io.decode_raw(keys, tf.uint8, fixed_length=longest), tf.int32)
     packed = tf.concat([tf.reshape(codes, [-1, longest]), lengths[:, None]], 1)  # [k, longest + 1]
     packed = move(packed)
-    joined = tf.strings.reduce_join(tf.gather(tf.constant(_BYTES), packed[:, :-1]), axis=1)
-    return tf.strings.substr(joined, tf.zeros_like(packed[:, -1]), packed[:, -1])
+    return _strings_from_codes(packed[:, :-1], packed[:, -1])
+
+
+def _strings_from_codes(codes, lengths):
+    """Strings rebuilt byte for byte from zero-padded byte codes [k, n]
+    (integers) and their lengths [k]."""
+    joined = tf.strings.reduce_join(tf.gather(tf.constant(_BYTES), codes), axis=1)
+    return tf.strings.substr(joined, tf.zeros_like(lengths), lengths)
