@@ -22,7 +22,7 @@ import numpy as np
 
 REPEATS = 5           # timed repeats per op, after one warm-up; the figure is their median
 BATCHES = 200         # training-sized batches per repeat of a batch op
-ZIPF_A = 1.2          # skew of the Zipf batches (like ../shared/anchors/tfra_table_bench.py)
+ZIPF_A = 1.2          # skew of the Zipf batches (a common choice for id popularity)
 EXPORT_CHUNK = 1 << 18  # rows per export chunk where a system exports in chunks
 
 

@@ -73,6 +73,7 @@ def tfde_side(data_path: str, config_path: str) -> dict:
                      temperature=cfg["temperature"], table_creator=creator, seed=cfg["seed"])
     users, items = data["train_users"], data["train_items"]
     eval_users, eval_items = data["test_users"], data["all_items"]
+    tfde_layers = (model.user_embedding, model.item_embedding)  # the floor run swaps them out
     if cfg.get("floor"):
         # The floor of any embedding library: the same model, but the ids are
         # dense indices into frozen Keras Embedding tables, so embedding
@@ -91,8 +92,8 @@ def tfde_side(data_path: str, config_path: str) -> dict:
            "keras": ("tf-keras " + __import__("tf_keras").__version__) if legacy else
            ("Keras " + __import__("keras").__version__),
            **common.fit_and_evaluate(tf, model, cfg, data, users, items, eval_users, eval_items)}
-    if creator is not None:
-        for layer in (model.user_embedding, model.item_embedding):
+    if creator is not None:  # the Redis tables of this run go (the floor run's are empty)
+        for layer in tfde_layers:
             layer.params.clear()
     return out
 

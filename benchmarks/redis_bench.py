@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     from benchmarks.table_bench import machine, write_results
 
     if not args.no_tfra and not Path(TFRA_PYTHON).exists():
-        print(f"TFRA venv missing ({TFRA_PYTHON}); run ../shared/anchors/setup-tfra.sh or pass --no-tfra",
+        print(f"TFRA venv missing ({TFRA_PYTHON}); run benchmarks/setup-tfra.sh or pass --no-tfra",
               file=sys.stderr)
         return 2
     info = machine()

@@ -9,7 +9,7 @@ Parts (each also runs alone, see its module):
   redis  benchmarks/redis_bench.py  Redis backend find/insert vs TFRA's Redis table and a plain pipeline
   e2e    benchmarks/e2e_bench.py    the demo two-tower model trained by each system (cuckoo and Redis)
 
-Needs the TFRA venv (../shared/anchors/setup-tfra.sh) and a redis-server on
+Needs the TFRA venv (benchmarks/setup-tfra.sh) and a redis-server on
 --port.  Prints the machine, versions, git hash and one side-by-side table,
 and writes benchmarks/results/run-<time>.json (and results/latest.json) so a
 later run can be compared.
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     parts = args.only or PARTS
     if not Path(table_bench.TFRA_PYTHON).exists():
-        print(f"TFRA venv missing ({table_bench.TFRA_PYTHON}): run ../shared/anchors/setup-tfra.sh "
+        print(f"TFRA venv missing ({table_bench.TFRA_PYTHON}): run benchmarks/setup-tfra.sh "
               f"(or set TFRA_PYTHON)", file=sys.stderr)
         return 2
     n, dims, rounds = (100_000, [64], 1) if args.quick else (1_000_000, [8, 64, 256], args.rounds)

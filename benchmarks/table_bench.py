@@ -4,7 +4,7 @@ Both systems run the same measurement code (benchmarks/common.py: inputs from
 seed 0, one warm-up then the median of 5 repeats per op) on identical inputs:
 1M distinct int64 keys, float32 rows, and training-sized batches drawn from
 the stored keys uniformly and Zipf-skewed.  TFRA runs in its own venv
-(../shared/anchors/setup-tfra.sh) through benchmarks/tfra_side.py.  Also
+(benchmarks/setup-tfra.sh) through benchmarks/tfra_side.py.  Also
 measured: a reference for find_hit without any table - TensorFlow's own
 gather of the same number of random rows from a dense array, with the same
 `.numpy()` - and memory per stored row (RSS growth in a fresh process) against
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         print(json.dumps(fn(*(int(v) for v in vals))))
         return 0
     if not args.no_tfra and not Path(TFRA_PYTHON).exists():
-        print(f"TFRA venv missing ({TFRA_PYTHON}); run ../shared/anchors/setup-tfra.sh or pass --no-tfra",
+        print(f"TFRA venv missing ({TFRA_PYTHON}); run benchmarks/setup-tfra.sh or pass --no-tfra",
               file=sys.stderr)
         return 2
     info = machine()

@@ -1,5 +1,5 @@
 """TFRA's side of benchmarks/redis_bench.py: run with the interpreter of the
-TFRA venv (../shared/anchors/setup-tfra.sh).  Same keys, rows, batches and
+TFRA venv (benchmarks/setup-tfra.sh).  Same keys, rows, batches and
 method as tfde's side; prints one JSON line of keys/s.
 
   TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_redis_side.py N DIM BATCH PORT BUCKETS ROUNDS

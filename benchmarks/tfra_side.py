@@ -1,5 +1,5 @@
 """The reference side of the benchmarks: TFRA 0.8.1, run with the interpreter
-of its own venv (../shared/anchors/setup-tfra.sh; TF 2.16.2, tf-keras).
+of its own venv (benchmarks/setup-tfra.sh; TF 2.16.2, tf-keras).
 
   TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py table N DIM BATCH
   TF_USE_LEGACY_KERAS=1 $TFRA_PYTHON benchmarks/tfra_side.py memory N DIM

@@ -98,7 +98,7 @@ def test_stable_hash_matches_reference_for_strings():
 
 
 def test_pinned_hash_values_never_change():
-    # Part of the on-disk / in-Redis format (DESIGN 4): these must not move.
+    # Part of the on-disk / in-Redis format (docs/design.md, decision 4): these must not move.
     assert hashing.stable_hash_py(0) == 0xE220A8397B1DCDAF
     assert hashing.stable_hash_py(1) == 0x910A2DEC89025CC1
     assert hashing.stable_hash_py(b"user_1") == hashing.stable_hash_py("user_1")

@@ -190,6 +190,9 @@ def test_import_replace(backend):
     t.insert(tf.constant([1, 2], tf.int64), tf.constant([[1.0], [2.0]]))
     t.import_(tf.constant([3], tf.int64), tf.constant([[3.0]]), replace=True)
     assert int(t.size()) == 1
+    rows, exists = t.find(tf.constant([1, 2, 3], tf.int64), InitSpec("constant", -1.0))
+    assert exists.numpy().tolist() == [False, False, True]
+    assert rows.numpy().tolist() == [[-1.0], [-1.0], [3.0]]
 
 
 def test_works_inside_tf_function(backend):

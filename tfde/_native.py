@@ -1,6 +1,6 @@
 """Compiles tfde's op library against the installed TensorFlow and loads it.
 
-DESIGN decision 1: the native code is built for the TensorFlow the user has,
+docs/design.md, decision 1: the native code is built for the TensorFlow the user has,
 on first use (or ahead of time with ``tfde build``), and cached under
 ``$TFDE_CACHE_DIR`` (default ``~/.cache/tfde``) by TensorFlow version, compile
 flags and a hash of the sources.  Several processes starting together (workers

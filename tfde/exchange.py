@@ -1,7 +1,7 @@
 """Synchronous, exact training of tfde Variables over several workers.
 
-Every worker owns the keys whose stable hash routes to it (`owner`, DESIGN
-decisions 4 and 6) and is the only one that reads them from or writes them to
+Every worker owns the keys whose stable hash routes to it (`owner`;
+docs/design.md, decisions 4 and 6) and is the only one that reads them from or writes them to
 its store: its own local cuckoo tables ("sharded local tables"), or the Redis
 tables all workers share ("shared store").  An `Exchange` moves ids, rows and
 gradients between the workers, in two steps per Variable and training step:

@@ -1,4 +1,4 @@
-"""The stable key hash (DESIGN decision 4) and shard routing.
+"""The stable key hash (docs/design.md, decision 4) and shard routing.
 
 The definition lives in backends/cuckoo/hash.h and the README; this module
 holds a numpy reference implementation (the tests compare it with the native

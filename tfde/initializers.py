@@ -1,6 +1,6 @@
 """Initial values of keys that have no stored row yet.
 
-DESIGN decision 3: the initial row of a key is a deterministic function of
+docs/design.md, decision 3: the initial row of a key is a deterministic function of
 (key, seed), so workers that meet a new key agree on it without talking.  The
 native ops generate such rows for the usual distributions; this module maps
 TensorFlow / Keras 3 / tf-keras initializer objects (or a constant) onto them.

@@ -1,7 +1,7 @@
 """Embedding lookups on tfde Variables.
 
 Every lookup deduplicates the ids of the batch before the store is touched,
-and never inserts (DESIGN decision 3).  In training mode the rows go through
+and never inserts (docs/design.md, decision 3).  In training mode the rows go through
 the Variable's step buffer so that gradients reach
 tfde.DynamicEmbeddingOptimizer (see tfde/variable.py).
 """

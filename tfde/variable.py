@@ -3,7 +3,7 @@
 A Variable maps keys (int64, int32 or string) to rows ``[dim]`` of a float
 dtype.  Its rows live in one table per shard, made by a TableCreator (the
 in-process cuckoo table by default); a key's shard is given by the stable
-hash (tfde.hashing).  Lookups never insert (DESIGN decision 3): a key that was
+hash (tfde.hashing).  Lookups never insert (docs/design.md, decision 3): a key that was
 never written reads its initial row, a deterministic function of (key, seed).
 
 Training: a trainable Variable owns a *step buffer*, a ``tf.Variable`` of

@@ -1,6 +1,6 @@
 // Stable key hashing for tfde.  No TensorFlow includes.
 //
-// This hash is part of tfde's on-disk and in-Redis format (DESIGN decision 4):
+// This hash is part of tfde's on-disk and in-Redis format (docs/design.md, decision 4):
 // it decides which shard and which Redis bucket owns a key.  It must never
 // change silently; tfde/hashing.py holds a numpy reference implementation and
 // the tests compare the two bit for bit.

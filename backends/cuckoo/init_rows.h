@@ -1,7 +1,7 @@
 // Deterministic initial rows: the starting value of a key that has never been
 // written is a pure function of (stable hash of the key, seed, column), so
 // every worker that meets a new key computes the same row without talking to
-// any other (DESIGN decision 3).  No TensorFlow includes.
+// any other (docs/design.md, decision 3).  No TensorFlow includes.
 //
 // Element j of the row of a key with stable hash h under seed s draws from
 //   base = Mix64(h ^ Mix64(s)),  draw(j, a) = Mix64(base + (j*256 + a) * G)
