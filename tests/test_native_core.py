@@ -106,6 +106,18 @@ def test_pinned_hash_values_never_change():
         list(hashing.shard_index(tf.constant(np.arange(8), tf.int64), 4).numpy())
 
 
+def test_the_owner_and_bucket_routing_is_one_formula():
+    """((h & 0xFFFFFFFF) * n) >> 32 as a Python int, numpy and TF, pinned;
+    tests/test_redis.py pins the C++ one to it."""
+    keys = np.random.default_rng(5).integers(-2 ** 63, 2 ** 63 - 1, size=1000)
+    hashes = hashing.stable_hash_np(keys)
+    for n in (1, 2, 3, 7, 64):
+        want = [hashing.route_low_py(int(h), n) for h in hashes]
+        assert hashing.route_low_np(hashes, n).tolist() == want
+        assert hashing.route_low(tf.constant(hashes.view(np.int64)), n).numpy().tolist() == want
+    assert [hashing.route_low_py(hashing.stable_hash_py(k), 4) for k in range(8)] == [1, 2, 0, 3, 3, 2, 2, 1]
+
+
 def test_sequential_ids_spread_evenly_over_shards():
     shards = hashing.shard_index(tf.range(100_000, dtype=tf.int64), 8).numpy()
     counts = np.bincount(shards, minlength=8)

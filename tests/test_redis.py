@@ -173,6 +173,20 @@ def test_layout_is_readable_by_other_programs(tag):
     assert np.frombuffer(raw, "<f4").tolist() == [1.0, 2.0, 3.0]
 
 
+def test_native_writes_land_in_the_bucket_the_python_routing_names(tag):
+    """The bucket formula exists in C++ (the native client's writes) and in
+    Python (tfde.hashing.route_low_*: imports, restriction): they agree on
+    every key."""
+    creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 5})
+    t = creator.create("route", tf.int64, tf.float32, 1)
+    keys = np.random.default_rng(3).integers(-2 ** 62, 2 ** 62, size=300)
+    t.insert(tf.constant(keys), tf.ones([300, 1]))
+    client = redis.Redis()
+    buckets = tfde.hashing.route_low_np(tfde.hashing.stable_hash_np(keys), 5)
+    for key, bucket in zip(keys.tolist(), buckets.tolist()):
+        assert client.hexists(f"{tag}:route:{{{bucket}}}", int(key).to_bytes(8, "little", signed=True)), key
+
+
 # ------------------------------------------------------------ training
 
 @pytest.mark.keras

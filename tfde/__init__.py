@@ -25,6 +25,7 @@ from tfde.tables import (CuckooTableCreator, RedisTableConfig, RedisTableCreator
                          TableCreator)
 from tfde.variable import Variable, get_variable  # noqa: E402
 from tfde.saving import CheckpointManager, export_changes, export_for_serving  # noqa: E402
+from tfde import distributed  # noqa: E402,F401  (registers the engines with tfde.exchange)
 
 __version__ = "0.1.0"
 

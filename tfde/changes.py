@@ -22,7 +22,8 @@ from typing import Iterator, Tuple
 
 import tensorflow as tf
 
-CHUNK_ROWS = 1 << 16
+from tfde._defaults import CHUNK_ROWS
+
 
 
 class ChangeLog:
@@ -31,12 +32,10 @@ class ChangeLog:
     Thread-safety: as the Variable (one training step at a time)."""
 
     def __init__(self, variable):
-        from tfde.variable import Variable
-
         self.variable = variable
         self.written = variable.slot("changes-step", -1.0, dim=1, value_dtype=tf.float64)
         with tf.init_scope():
-            self.evicted = Variable(f"{variable.name}-evicted", key_dtype=variable.key_dtype, value_dtype=tf.float64,
+            self.evicted = type(variable)(f"{variable.name}-evicted", key_dtype=variable.key_dtype, value_dtype=tf.float64,
                                     dim=1, initializer=-1.0, num_shards=variable.num_shards,
                                     table_creator=variable.table_creator, trainable=False)
             self.clock = tf.Variable(tf.constant(0.0, tf.float64), trainable=False,

@@ -9,6 +9,7 @@ of tfde's on-disk and in-Redis format and never changes silently.
 from __future__ import annotations
 
 import numpy as np
+import tensorflow as tf
 
 _M = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -35,8 +36,32 @@ def stable_hash_py(key) -> int:
 
 
 def shard_of_py(hash_u64: int, num_shards: int) -> int:
-    """Shard among num_shards of a key whose stable hash is hash_u64."""
+    """Shard among num_shards of a key whose stable hash is hash_u64: its
+    high 32 bits (backends/cuckoo/hash.h computes it natively)."""
     return ((hash_u64 >> 32) * num_shards) >> 32
+
+
+# The low 32 bits of the hash route a key to its owning worker and to its
+# Redis bucket: ((h & 0xFFFFFFFF) * n) >> 32, independent of its shard
+# inside a Variable (the high bits).  Defined once per kind of caller: a
+# Python int, numpy arrays, TF tensors (backends/redis/ops.cc has the C++
+# one); tests/test_native_core.py pins them to each other.
+
+def route_low_py(hash_u64: int, n: int) -> int:
+    """Owner / bucket among n of a key whose stable hash is hash_u64."""
+    return ((hash_u64 & 0xFFFFFFFF) * n) >> 32
+
+
+def route_low_np(hashes: np.ndarray, n: int) -> np.ndarray:
+    """route_low_py of each stable hash (int64 or uint64 array): int64."""
+    low = hashes.view(np.uint64) & np.uint64(0xFFFFFFFF)
+    return ((low * np.uint64(n)) >> np.uint64(32)).astype(np.int64)
+
+
+def route_low(hashes, n: int):
+    """route_low_py of each stable hash (int64 tensor): int32 tensor."""
+    low = tf.bitwise.bitwise_and(hashes, tf.constant(0xFFFFFFFF, tf.int64))
+    return tf.cast(tf.bitwise.right_shift(low * n, 32), tf.int32)
 
 
 def stable_hash_np(keys: np.ndarray) -> np.ndarray:

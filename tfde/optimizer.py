@@ -28,24 +28,8 @@ import tensorflow as tf
 from tfde import exchange as _exchange
 from tfde.errors import UnsupportedOptimizerError
 from tfde.optimizer_rules import RULES, SUPPORTED_NAMES, hp
-
-
-def is_step_buffer(var) -> bool:
-    return getattr(var, "_tfde_variable", None) is not None
-
-
-def _rule_for(opt):
-    module = type(opt).__module__
-    if ".legacy" in module:
-        raise UnsupportedOptimizerError(
-            f"{type(opt).__name__} from {module} is a legacy optimizer; use the non-legacy class "
-            f"(e.g. tf.keras.optimizers.{type(opt).__name__}). Supported: {', '.join(SUPPORTED_NAMES)}")
-    for cls in type(opt).__mro__:
-        if cls.__name__ in RULES:
-            return RULES[cls.__name__]
-    raise UnsupportedOptimizerError(
-        f"tfde cannot apply {type(opt).__name__} lazily to embedding rows. Supported optimizers (Keras 3 or "
-        f"tf-keras): {', '.join(SUPPORTED_NAMES)}.")
+from tfde.optimizer_rules import rule_for as _rule_for
+from tfde.variable import is_step_buffer
 
 
 def _check_options(opt):
@@ -126,19 +110,9 @@ class DynamicEmbeddingMixin:
             children = {**children, registered.OPTIMIZER_SLOTS: registered.optimizer_slots(self)}
         return children
 
-    def compute_gradients(self, loss, var_list, tape=None):  # tf-keras; Horovod wraps this
-        self._tfde_register_local(var_list)
+    def compute_gradients(self, loss, var_list, tape=None):  # tf-keras; an engine's optimizer may wrap this
+        _exchange.current().register_step_buffers(self, var_list)
         return super().compute_gradients(loss, var_list, tape)
-
-    def _tfde_register_local(self, var_list):
-        """Tells Horovod's DistributedOptimizer (when it wraps this one) to
-        leave step buffers alone: their gradients go through tfde's exchange."""
-        if not hasattr(self, "register_local_var"):
-            return
-        known = set(getattr(self, "_local_vars", ()))  # Horovod keeps var.ref()s
-        for v in var_list:
-            if is_step_buffer(v) and v.ref() not in known:
-                self.register_local_var(v)
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
@@ -161,34 +135,12 @@ class DynamicEmbeddingMixin:
 
     def _tfde_engine_gradients(self, grads_and_vars):
         """The pairs with the dense gradients averaged over the workers when
-        the engine left that to the optimizer (Exchange.average_dense), so
-        that a step is exact whatever calls apply_gradients: Keras's default
-        train_step (through minimize and compute_gradients, where Horovod's
-        DistributedOptimizer averages), tfrs.Model.train_step or a custom
-        step (tape.gradient, then apply_gradients directly).  Records in
-        _tfde_engine_scaled whether Horovod also divided the step buffers'
-        gradients by its size (tfde.distributed.horovod)."""
-        if getattr(self, "_agg_helper", None) is not None:
-            raise UnsupportedOptimizerError(
-                "Horovod's DistributedOptimizer with backward_passes_per_step > 1 aggregates gradients locally, "
-                "which tfde's step buffers cannot follow (they hold one step's rows); use "
-                "backward_passes_per_step=1 and a larger batch")
-        # Set by Horovod's DistributedOptimizer when its compute_gradients
-        # averaged this step's gradients (a Python flag: read while tracing),
-        # and never reset by it: reset here, once per step.
-        averaged = bool(getattr(self, "_aggregated_gradients", False))
-        if hasattr(self, "_aggregated_gradients"):
-            self._aggregated_gradients = False
-        self._tfde_engine_scaled = averaged and bool(getattr(self, "scale_local_gradients", False))
-        ex = _exchange.active()
-        if ex is None or averaged:
-            return grads_and_vars
-        positions = [i for i, (_, v) in enumerate(grads_and_vars) if not is_step_buffer(v)]
-        averaged_grads = ex.average_dense([grads_and_vars[i][0] for i in positions])
-        out = list(grads_and_vars)
-        for i, g in zip(positions, averaged_grads):
-            out[i] = (g, grads_and_vars[i][1])
-        return out
+        the engine left that to the optimizer (Exchange.prepare_gradients),
+        so that a step is exact whatever calls apply_gradients: Keras's
+        default train_step (through minimize and compute_gradients, where an
+        engine's optimizer wrapper may average), tfrs.Model.train_step or a
+        custom step (tape.gradient, then apply_gradients directly)."""
+        return _exchange.current().prepare_gradients(self, grads_and_vars)
 
     def _tfde_apply_sparse(self, grads_and_vars):
         """Applies the step-buffer pairs; returns (dense pairs, possibly
@@ -219,7 +171,7 @@ class DynamicEmbeddingMixin:
     def _tfde_prepare(self, grad, var):
         ex = _exchange.active()
         if grad is None:
-            if ex is None:
+            if not ex.collective:
                 return None
             # Another worker may have a gradient for this Variable: take part
             # in the all-reduce with zeros.
@@ -231,22 +183,15 @@ class DynamicEmbeddingMixin:
             indices = tf.range(tf.shape(values)[0])
         compute = tf.float32 if var.value_dtype in (tf.float16, tf.bfloat16) else var.value_dtype
         values = tf.cast(values, compute)
-        if ex is None:
-            keys = var._step_keys(indices)
-            unique, seg = tf.unique(keys, out_idx=tf.int32)
-            summed = tf.math.unsorted_segment_sum(values, seg, tf.size(unique))
-        else:
-            # Every worker's gradient reaches the owner of each key (tfde/exchange.py).
-            if hp(self, "global_clipnorm", None) is not None:
-                raise UnsupportedOptimizerError(
-                    "global_clipnorm is not supported in distributed training with tfde Variables yet; use "
-                    "clipnorm or clipvalue")
-            rows = var._step_size()
-            dense = tf.math.unsorted_segment_sum(values, indices, rows)
-            unique, summed = ex.owner_gradients(var._step_keys(tf.range(rows)), dense)
-            factor = ex.gradient_scale(self)
-            if factor != 1.0:
-                summed = summed * tf.cast(factor, compute)
+        if ex.collective and hp(self, "global_clipnorm", None) is not None:
+            raise UnsupportedOptimizerError(
+                "global_clipnorm is not supported in distributed training with tfde Variables yet; use "
+                "clipnorm or clipvalue")
+        # Every worker's gradient reaches the owner of each key (tfde/exchange.py).
+        unique, summed = ex.owner_gradients(var._keys_buffer.read_value(), indices, values)
+        factor = ex.gradient_scale(self)
+        if factor != 1.0:
+            summed = summed * tf.cast(factor, compute)
         scale = hp(self, "loss_scale_factor", None)
         if scale is not None:
             summed = summed / tf.cast(scale, compute)
@@ -457,10 +402,7 @@ def DynamicEmbeddingOptimizer(optimizer):
     """
     if isinstance(optimizer, DynamicEmbeddingMixin):
         return optimizer
-    if hasattr(optimizer, "register_local_var") and hasattr(optimizer, "_allreduce_grads"):
-        raise UnsupportedOptimizerError(
-            "this optimizer is already Horovod's DistributedOptimizer; wrap in the other order: "
-            "hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(opt)) (see tfde.distributed.horovod)")
+    _exchange.check_optimizer(optimizer)  # an engine's own wrapper must come outside
     _rule_for(optimizer)
     _check_options(optimizer)
     optimizer.__class__ = _wrapped_class(type(optimizer))

@@ -17,6 +17,8 @@ from typing import Callable, Dict, Tuple
 
 import tensorflow as tf
 
+from tfde.errors import UnsupportedOptimizerError
+
 
 def hp(opt, name: str, default=None):
     """A hyperparameter of `opt` as a Python value or tensor (callables are called)."""
@@ -136,3 +138,18 @@ RULES = {
     "Ftrl": Rule("Ftrl", _ftrl_slots, _ftrl),
 }
 SUPPORTED_NAMES = tuple(RULES)
+
+
+def rule_for(opt) -> Rule:
+    """The Rule of a Keras optimizer, or UnsupportedOptimizerError naming the supported ones."""
+    module = type(opt).__module__
+    if ".legacy" in module:
+        raise UnsupportedOptimizerError(
+            f"{type(opt).__name__} from {module} is a legacy optimizer; use the non-legacy class "
+            f"(e.g. tf.keras.optimizers.{type(opt).__name__}). Supported: {', '.join(SUPPORTED_NAMES)}")
+    for cls in type(opt).__mro__:
+        if cls.__name__ in RULES:
+            return RULES[cls.__name__]
+    raise UnsupportedOptimizerError(
+        f"tfde cannot apply {type(opt).__name__} lazily to embedding rows. Supported optimizers (Keras 3 or "
+        f"tf-keras): {', '.join(SUPPORTED_NAMES)}.")

@@ -44,11 +44,11 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from tfde._defaults import CHUNK_ROWS
 from tfde import exchange
 from tfde.errors import ConfigError
 from tfde.hashing import stable_hash
 
-CHUNK_ROWS = 1 << 16  # keys scored per lookup while restricting
 
 
 class RestrictPolicy(abc.ABC):

@@ -36,6 +36,7 @@ import tensorflow as tf
 from tfde import _native
 from tfde import exchange as _exchange
 from tfde import initializers as _init
+from tfde.local import local_variable
 from tfde.errors import ConfigError, ShapeError
 from tfde.hashing import shard_index
 from tfde.tables.base import DEFAULT_EXPORT_CHUNK_ROWS, TableCreator, as_keys, check_same_count, key_tensor
@@ -114,11 +115,11 @@ class Variable(tf.Module):
                             for i in range(num_shards)]
             if self.trainable:
                 # Not mirrored by a strategy in scope: the step buffer
-                # belongs to this process (see tfde/exchange.py).
-                self._rows_buffer = _exchange.local_variable(tf.zeros([0, dim], self.value_dtype), [None, dim],
-                                                             True, f"{self.name}/step_rows")
-                self._keys_buffer = _exchange.local_variable(tf.zeros([0], self.key_dtype), [None], False,
-                                                             f"{self.name}/step_keys")
+                # belongs to this process (tfde/local.py).
+                self._rows_buffer = local_variable(tf.zeros([0, dim], self.value_dtype), [None, dim],
+                                                   True, f"{self.name}/step_rows")
+                self._keys_buffer = local_variable(tf.zeros([0], self.key_dtype), [None], False,
+                                                   f"{self.name}/step_keys")
                 self._rows_buffer._tfde_variable = self  # how the optimizer finds its way back
         self._slots = {}
         self.restrict_policy = None
@@ -501,7 +502,7 @@ class Variable(tf.Module):
             return tf.concat([rows, tf.cast(exists, rows.dtype)[:, None]], 1)
 
         _, found, mine = ex.rows_for(unique, find)
-        return tf.gather(found, tf.gather(mine, positions))
+        return tf.gather(found, positions if mine is None else tf.gather(mine, positions))
 
     def _unpack(self, packed):
         return packed[:, :self.dim], packed[:, self.dim] > 0
@@ -510,61 +511,40 @@ class Variable(tf.Module):
         """flat keys -> (rows, exists) for a plain (non-training) read.
 
         In a job of several workers, a read gives every worker the right
-        rows of every key (docs/lookups.md): through the active exchange
-        (inside a step or strategy.run), or straight from the store when the
-        workers share it (Redis).  An eager read outside strategy.run under
-        MultiWorkerMirroredStrategy runs the exchange through strategy.run
-        itself, so every worker must make it (as every worker builds its
-        model by calling it on a first batch).  A tf.data function has no
-        replica context: with each worker's own tables it reads through
-        Horovod's exchange (whose collectives match by name) or, under
-        tf.distribute, through DatasetGatherExchange, which launches the
-        strategy's collectives itself (every worker must run the read as
-        often); elsewhere it is refused, never answered with the initial
-        rows of the keys other workers own.  Graphs traced outside
-        strategy.run (Keras building a model or saving it, serving exports)
-        read this worker's store."""
-        ex = _exchange.active()
-        shared = self._tables[0].shared_between_workers
-        if in_tf_data_function():
-            if shared:
-                return self._find
-            if ex is not None and ex.collectives_in_tf_data:
-                return self._find_everywhere
-            strategy = self._job_strategy()
-            if _exchange.installed() is None and strategy is not None and strategy.num_replicas_in_sync > 1:
-                reads = _exchange.DatasetGatherExchange(strategy, self._full_name)
-                return lambda keys: self._unpack(self._find_everywhere_packed(keys, reads))
-            self._refuse_partial_read(ex, "in a tf.data function")
+        rows of every key (docs/lookups.md): straight from the store when
+        the workers share it (Redis) or when this process trains alone;
+        otherwise through the active exchange (inside a step or
+        strategy.run) or the way the engine offers (tfde.exchange.
+        plain_reader: under tf.distribute an eager read runs the exchange
+        through strategy.run and a read in a tf.data function launches the
+        strategy's collectives itself, so every worker must make it).
+        Where no engine can reach the other workers' keys from a tf.data
+        function the read is refused, never answered with the initial rows
+        of the keys other workers own.  Graphs traced outside strategy.run
+        (Keras building a model or saving it, serving exports) read this
+        worker's store."""
+        in_tf_data = in_tf_data_function()
+        if in_tf_data and self.shared_between_workers:
             return self._find
-        if ex is not None:
-            return self._find_everywhere
-        strategy = self._job_strategy()
-        if not shared and tf.executing_eagerly() and strategy is not None and strategy.num_replicas_in_sync > 1:
-            def collective_read(keys):
-                packed = strategy.run(self._find_everywhere_packed, args=(keys,))
-                return self._unpack(strategy.experimental_local_results(packed)[0])
-
-            return collective_read
+        reader = _exchange.plain_reader(self, in_tf_data)
+        if reader is not None:
+            return reader
+        if in_tf_data:
+            self._refuse_partial_read("in a tf.data function")
         return self._find
+
+    @property
+    def shared_between_workers(self) -> bool:
+        """Whether every worker of a distributed job sees the same store."""
+        return self._tables[0].shared_between_workers
 
     def _job_strategy(self):
         """The tf.distribute strategy in scope, else the one this Variable
         was created under (None: none)."""
         return tf.distribute.get_strategy() if tf.distribute.has_strategy() else self._strategy
 
-    def _workers(self, ex) -> int:
-        """Workers of the job this read belongs to (1: trains alone)."""
-        if ex is not None:
-            return ex.size
-        installed = _exchange.installed()
-        if installed is not None:
-            return installed.size
-        strategy = self._job_strategy()
-        return 1 if strategy is None else strategy.num_replicas_in_sync
-
-    def _refuse_partial_read(self, ex, where: str) -> None:
-        workers = self._workers(ex)
+    def _refuse_partial_read(self, where: str) -> None:
+        workers = _exchange.workers(self._strategy)
         if workers <= 1:
             return
         raise ConfigError(
@@ -583,12 +563,8 @@ class Variable(tf.Module):
         rows at `positions` (indices into unique_keys) from it, so the
         gradient reaches the buffer.  Under an exchange the buffer holds the
         rows of every worker's keys, in the same order on all workers."""
-        ex = _exchange.active()
-        if ex is None:
-            rows, _ = self._find(unique_keys)
-        else:
-            _check_one_replica_per_process()
-            unique_keys, rows, mine = ex.rows_for(unique_keys, lambda k: self._find(k)[0])
+        unique_keys, rows, mine = _exchange.active().rows_for(unique_keys, lambda k: self._find(k)[0])
+        if mine is not None:
             positions = tf.gather(mine, positions)
         offset = self._step_size()
         self._rows_buffer.assign(tf.concat([self._rows_buffer.read_value(), rows], 0))
@@ -605,6 +581,12 @@ class Variable(tf.Module):
     def _reset_step_buffer(self):
         return tf.group(self._rows_buffer.assign(tf.zeros([0, self.dim], self.value_dtype)),
                         self._keys_buffer.assign(tf.zeros([0], self.key_dtype)))
+
+
+def is_step_buffer(var) -> bool:
+    """Whether `var` is the step buffer of a tfde Variable (what the
+    optimizer trains in its place; Variable.step_buffer)."""
+    return getattr(var, "_tfde_variable", None) is not None
 
 
 def in_tf_data_function() -> bool:
@@ -635,18 +617,6 @@ def model_variables(model) -> list:
                 if isinstance(v, Variable) and all(v is not f for f in found):
                     found.append(v)
     return found
-
-
-def _check_one_replica_per_process():
-    if not tf.distribute.has_strategy():
-        return
-    strategy = tf.distribute.get_strategy()
-    devices = getattr(strategy.extended, "worker_devices", ())
-    if len(devices) > 1:
-        raise ConfigError(
-            f"tfde trains with one replica per process, but {type(strategy).__name__} runs "
-            f"{len(devices)} replicas here ({', '.join(devices)}); use MultiWorkerMirroredStrategy with one device "
-            "per worker process (see the README, 'Distributed training')")
 
 
 def get_variable(name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1, initializer=None,

@@ -10,7 +10,7 @@
 Each worker stores the keys whose stable hash routes to it (tfde.exchange.
 owner); a lookup sends ids to their owners and gets rows back through
 hvd.alltoall, and the gradients of every worker return to the owners the same
-way (tfde.exchange.AllToAllExchange).  Dense weights are averaged over the
+way (tfde.distributed.alltoall.AllToAllExchange).  Dense weights are averaged over the
 workers whatever the training step calls: by hvd.DistributedOptimizer when
 Keras's default train_step reaches its compute_gradients (the tfde optimizer
 registers its step buffers as Horovod local variables so Horovod leaves them
@@ -26,10 +26,14 @@ calls super(self.__class__, ...) and cannot be subclassed again).
 
 from __future__ import annotations
 
+import sys
+
 import tensorflow as tf
 
 from tfde import exchange
-from tfde.errors import ConfigError
+from tfde.distributed.alltoall import AllToAllExchange
+from tfde.errors import ConfigError, UnsupportedOptimizerError
+from tfde.variable import is_step_buffer
 
 
 def _import_horovod():
@@ -43,7 +47,7 @@ def _import_horovod():
     return hvd
 
 
-class HorovodExchange(exchange.AllToAllExchange):
+class HorovodExchange(AllToAllExchange):
     """AllToAllExchange over hvd.alltoall.  Horovod's convention is to
     average gradients over workers (each worker's loss is its local mean):
     the rows' summed gradients are divided by the number of workers, and the
@@ -76,7 +80,47 @@ class HorovodExchange(exchange.AllToAllExchange):
             return 1.0
         return super().gradient_scale(optimizer)
 
-    def average_dense(self, grads: list) -> list:
+    def register_step_buffers(self, optimizer, var_list) -> None:
+        # Horovod's DistributedOptimizer (when it wraps the tfde optimizer)
+        # averages every gradient of its compute_gradients but those of its
+        # local variables: the step buffers' go through the exchange.
+        if not hasattr(optimizer, "register_local_var"):
+            return
+        known = set(getattr(optimizer, "_local_vars", ()))  # Horovod keeps var.ref()s
+        for v in var_list:
+            if is_step_buffer(v) and v.ref() not in known:
+                optimizer.register_local_var(v)
+
+    def prepare_gradients(self, optimizer, grads_and_vars) -> list:
+        """Averages the dense gradients unless Horovod's DistributedOptimizer
+        did in this step (its compute_gradients, which Keras's default
+        train_step reaches through minimize; tfrs.Model.train_step and
+        custom steps call apply_gradients directly).  Records in
+        optimizer._tfde_engine_scaled whether Horovod also divided the step
+        buffers' gradients by its size (gradient_scale)."""
+        if getattr(optimizer, "_agg_helper", None) is not None:
+            raise UnsupportedOptimizerError(
+                "Horovod's DistributedOptimizer with backward_passes_per_step > 1 aggregates gradients locally, "
+                "which tfde's step buffers cannot follow (they hold one step's rows); use "
+                "backward_passes_per_step=1 and a larger batch")
+        # Set by Horovod's DistributedOptimizer when its compute_gradients
+        # averaged this step's gradients (a Python flag: read while tracing),
+        # and never reset by it: reset here, once per step.
+        averaged = bool(getattr(optimizer, "_aggregated_gradients", False))
+        if hasattr(optimizer, "_aggregated_gradients"):
+            optimizer._aggregated_gradients = False
+        optimizer._tfde_engine_scaled = averaged and bool(getattr(optimizer, "scale_local_gradients", False))
+        if self.size <= 1 or averaged:
+            return grads_and_vars
+        positions = [i for i, (_, v) in enumerate(grads_and_vars) if not is_step_buffer(v)]
+        averaged_grads = self._average_dense([grads_and_vars[i][0] for i in positions])
+        out = list(grads_and_vars)
+        for i, g in zip(positions, averaged_grads):
+            out[i] = (g, grads_and_vars[i][1])
+        return out
+
+    def _average_dense(self, grads: list) -> list:
+        """Gradients (tensors, IndexedSlices or None) averaged over the workers."""
         hvd, out = self._hvd, list(grads)
         tensors = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
         if tensors:
@@ -110,3 +154,33 @@ def install():
         return hvd
     exchange.install(HorovodExchange(hvd))
     return hvd
+
+
+class HorovodGuard(exchange.Engine):
+    """What the core must know of Horovod even when this module's exchange
+    is not installed: a job that runs Horovod without it, and the wrapping
+    order of the optimizers."""
+
+    def exchange(self):
+        hvd = sys.modules.get("horovod.tensorflow")  # only when the program imported Horovod
+        if hvd is None:
+            return None
+        try:
+            running = hvd.is_initialized() and hvd.size() > 1
+        except Exception:  # pragma: no cover - horovod half-imported
+            return None
+        if running:
+            raise ConfigError(
+                f"Horovod runs {hvd.size()} workers but tfde's exchange is not installed, so tfde Variables "
+                "would train each worker's keys apart; call tfde.distributed.horovod.init() (it calls hvd.init()) "
+                "before building the model")
+        return None
+
+    def check_optimizer(self, optimizer):
+        if hasattr(optimizer, "register_local_var") and hasattr(optimizer, "_allreduce_grads"):
+            raise UnsupportedOptimizerError(
+                "this optimizer is already Horovod's DistributedOptimizer; wrap in the other order: "
+                "hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(opt)) (see tfde.distributed.horovod)")
+
+
+exchange.register_engine(HorovodGuard())

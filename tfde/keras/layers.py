@@ -32,7 +32,7 @@ def _keras3_counts_skip_step_buffers():
         from keras.src.utils import summary_utils
     except ImportError:  # a Keras 3 layout without this module: nothing to wrap
         return
-    from tfde.optimizer import is_step_buffer
+    from tfde.variable import is_step_buffer
 
     for name in ("count_params", "weight_memory_size"):
         original = getattr(summary_utils, name, None)

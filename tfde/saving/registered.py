@@ -24,6 +24,7 @@ from tensorflow.python.saved_model.registration import registration
 from tensorflow.python.trackable import python_state
 
 from tfde.errors import CheckpointError
+from tfde.optimizer_rules import rule_for
 from tfde.saving import format as fmt
 from tfde.saving import state
 
@@ -103,10 +104,8 @@ class OptimizerSlots(python_state.PythonState):
         self._optimizer = weakref.ref(optimizer)  # the optimizer owns this record
 
     def _slots(self) -> Tuple[str, List[str]]:
-        from tfde.optimizer import _rule_for
-
         opt = self._optimizer()
-        rule = _rule_for(opt)
+        rule = rule_for(opt)
         return type(opt).__name__, sorted(name for name, _ in rule.slots(opt))
 
     def serialize(self) -> bytes:

@@ -78,7 +78,7 @@ def _input_signature(model, input_signature):
 
 
 def _dense_weights(model) -> list:
-    from tfde.optimizer import is_step_buffer
+    from tfde.variable import is_step_buffer
 
     return [w for w in model.weights if not is_step_buffer(w)]
 

@@ -18,13 +18,14 @@ from typing import Iterator, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
+from tfde._defaults import CHUNK_ROWS
 from tfde.initializers import InitSpec
 
 Missing = Union[InitSpec, tf.Tensor]
 """What a missing key reads: an InitSpec (deterministic per key) or a
 ``[n, dim]`` / ``[1, dim]`` tensor of default rows."""
 
-DEFAULT_EXPORT_CHUNK_ROWS = 1 << 16
+DEFAULT_EXPORT_CHUNK_ROWS = CHUNK_ROWS  # rows per exported chunk (tfde/_defaults.py)
 
 
 class Table:

@@ -16,6 +16,7 @@ import os
 import tensorflow as tf
 from tensorflow.python.trackable import resource as trackable_resource
 
+from tfde._defaults import MAX_DIM
 from tfde import _native
 from tfde.errors import CapacityError, ConfigError, from_op_error
 from tfde.initializers import InitSpec
@@ -43,8 +44,8 @@ def check_dtypes(key_dtype, value_dtype, dim) -> tuple:
     if value_dtype not in _VALUE_DTYPES:
         raise ConfigError(f"value_dtype {value_dtype.name} is not supported; use float32, float64, float16 or bfloat16")
     width = int_arg(dim)
-    if width is None or not 1 <= width <= 65536:
-        raise ConfigError(f"dim must be an int between 1 and 65536, got {dim!r}")
+    if width is None or not 1 <= width <= MAX_DIM:
+        raise ConfigError(f"dim must be an int between 1 and {MAX_DIM}, got {dim!r}")
     return key_dtype, value_dtype, width
 
 

@@ -7,6 +7,8 @@ field and the expected form.  Passwords never appear in repr() or errors.
 
 from __future__ import annotations
 
+import hashlib
+
 import dataclasses
 import json
 import os
@@ -208,10 +210,27 @@ class RedisTableConfig:
         raise ConfigError(f"a Redis config must be a path, a dict or a RedisTableConfig, got {type(spec).__name__}")
 
     def hash_tags(self) -> Tuple[str, ...]:
-        return self.redis_hash_tags_runtime or tuple(f"{{{i}}}" for i in range(self.storage_slice))
+        """The hash tags of this run's buckets (one per storage slice)."""
+        return self.redis_hash_tags_runtime or default_hash_tags(self.storage_slice)
+
+    def import_hash_tags(self, storage_slice: int) -> Tuple[str, ...]:
+        """The hash tags of the buckets to import from (model_tag_import),
+        which hold `storage_slice` buckets."""
+        return self.redis_hash_tags_import or default_hash_tags(storage_slice)
+
+    def key_prefix(self, model_tag: str) -> str:
+        """The prefix of every Redis key of the tables under `model_tag`
+        (model_tag_runtime or model_tag_import): the tag itself, or its md5
+        with using_md5_prefix_name."""
+        return hashlib.md5(model_tag.encode()).hexdigest() if self.using_md5_prefix_name else model_tag
 
     def describe_servers(self) -> str:
         return ", ".join(f"{h}:{p}" for h, p in zip(self.redis_host_ip, self.redis_host_port))
+
+
+def default_hash_tags(storage_slice: int) -> Tuple[str, ...]:
+    """"{0}", "{1}", ...: one Redis Cluster hash tag per bucket."""
+    return tuple(f"{{{i}}}" for i in range(storage_slice))
 
 
 def _check_type(name: str, value, annotation) -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
 import itertools
 import os
 import threading
@@ -50,21 +49,21 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base
 
+from tfde._defaults import REDIS_BACKOFF_BASE_S, REDIS_BACKOFF_MAX_S, REDIS_RETRIES
 from tfde import _native
 from tfde.errors import (REDIS_ERROR_KINDS, BackendError, BackendUnavailableError, CapacityError, ConfigError,
                          CredentialsError, ShapeError, TfdeError, from_op_error, graph_message, redis_error_kind,
                          tf_code)
-from tfde.hashing import stable_hash, stable_hash_np, stable_hash_py
+from tfde.hashing import route_low_np, stable_hash, stable_hash_np, stable_hash_py
 from tfde.initializers import InitSpec
 from tfde.tables.base import Table, TableCreator, as_keys, as_rows
 from tfde.tables.cuckoo import check_dtypes, native_missing_args
 from tfde.tables.redis_config import RedisTableConfig
 
 FORMAT_VERSION = 1
-RETRIES = 4            # attempts after the first failure of a Redis call
-BACKOFF_BASE_S = 0.05  # first retry delay in seconds; doubles each retry
-BACKOFF_MAX_S = 1.0    # longest delay between retries, seconds
-# (backends/redis/resp_client.h waits the same: kBackoffBaseMs, kBackoffMaxMs.)
+RETRIES = REDIS_RETRIES                 # attempts after the first failure of a Redis call
+BACKOFF_BASE_S = REDIS_BACKOFF_BASE_S   # first retry delay in seconds; doubles each retry
+BACKOFF_MAX_S = REDIS_BACKOFF_MAX_S     # longest delay between retries, seconds
 # Hints of the errors below; backends/redis/ops.cc Fail says the same.
 _OUT_OF_MEMORY_HINT = "free memory on the server or raise its maxmemory, then run the step again"
 _CREDENTIALS_HINT = "check redis_user and redis_password in the Redis config"
@@ -399,9 +398,7 @@ class RedisTable(Table, trackable_base.Trackable):
         self.name = name
         self.config = config
         self._client, self._reader = clients if clients is not None else _connect(config)
-        prefix = config.model_tag_runtime
-        if config.using_md5_prefix_name:
-            prefix = hashlib.md5(prefix.encode()).hexdigest()
+        prefix = config.key_prefix(config.model_tag_runtime)
         self._tags = config.hash_tags()
         self._buckets = [f"{prefix}:{name}:{tag}" for tag in self._tags]
         self._meta_key = f"{prefix}:{name}:meta"
@@ -502,9 +499,7 @@ class RedisTable(Table, trackable_base.Trackable):
         cfg = self.config
         if not cfg.model_tag_import or cfg.model_tag_import == cfg.model_tag_runtime:
             return
-        prefix = cfg.model_tag_import
-        if cfg.using_md5_prefix_name:
-            prefix = hashlib.md5(prefix.encode()).hexdigest()
+        prefix = cfg.key_prefix(cfg.model_tag_import)
         raw_meta = self._call("import", lambda: self._client.get(f"{prefix}:{self.name}:meta"))
         if raw_meta is None:
             return
@@ -513,7 +508,7 @@ class RedisTable(Table, trackable_base.Trackable):
             raise ConfigError(f"cannot import Redis table {self.name!r} from model tag {cfg.model_tag_import!r}: it "
                               f"holds {source.get('key_dtype')} -> {source.get('value_dtype')}[{source.get('dim')}],"
                               f" this table is {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}]")
-        tags = cfg.redis_hash_tags_import or tuple(f"{{{i}}}" for i in range(source["storage_slice"]))
+        tags = cfg.import_hash_tags(source["storage_slice"])
         for tag in tags:
             cursor = 0
             while True:
@@ -550,8 +545,7 @@ class RedisTable(Table, trackable_base.Trackable):
             self.key_dtype.as_numpy_dtype)
 
     def _bucket_of(self, hashes: np.ndarray) -> np.ndarray:
-        low = hashes.view(np.uint64) & np.uint64(0xFFFFFFFF)
-        return ((low * np.uint64(len(self._buckets))) >> np.uint64(32)).astype(np.int64)
+        return route_low_np(hashes, len(self._buckets))
 
     def _plan(self, hashes):
         """(bucket, index chunk) pairs covering all keys, in batch order per bucket."""
