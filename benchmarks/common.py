@@ -17,8 +17,12 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
+
+# The reference system's interpreter: the venv benchmarks/setup-tfra.sh builds.
+TFRA_PYTHON = os.environ.get("TFRA_PYTHON", str(Path.home() / ".cache/tfde-anchors/tfra/bin/python"))
 
 REPEATS = 5           # timed repeats per op, after one warm-up; the figure is their median
 BATCHES = 200         # training-sized batches per repeat of a batch op

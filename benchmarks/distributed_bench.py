@@ -9,6 +9,7 @@ layouts.  Each run is `tfde train --exchange-stats` on the same synthetic data
 (200K interactions, 1 epoch, 1024 examples per worker and step, tf-keras).
 
   python -m benchmarks.distributed_bench [--horovod-python PATH] [--interactions 200000]
+  python -m benchmarks.distributed_bench --quick      # small data, every run once (what CI runs)
 
 Horovod runs use an interpreter whose environment has Horovod (TF 2.16):
 by default the one scripts/test.sh builds (~/.cache/tfde/venvs/horovod-*).
@@ -52,9 +53,10 @@ def parse(out: str) -> dict:
     return r
 
 
-def run(python: str, workers: int, engine: str, backend: str, interactions: int, port: int, tmp: str) -> dict:
+def run(python: str, workers: int, engine: str, backend: str, interactions: int, port: int, tmp: str,
+        users: int = 20_000, items: int = 5_000) -> dict:
     cmd = [python, "-m", "tfde", "train", "--keras", "tf-keras", "--epochs", "1", "--interactions",
-           str(interactions), "--users", "20000", "--items", "5000", "--exchange-stats"]
+           str(interactions), "--users", str(users), "--items", str(items), "--exchange-stats"]
     if workers > 1:
         cmd += ["--workers", str(workers), "--engine", engine]
     if backend == "redis":
@@ -81,7 +83,12 @@ def main(argv=None) -> int:
     p.add_argument("--interactions", type=int, default=200_000)
     p.add_argument("--port", type=int, default=6379)
     p.add_argument("--horovod-python", default=default_horovod_python())
+    p.add_argument("--quick", action="store_true",
+                   help="40K interactions of 2K users and 1K items: every run once, in about a minute")
     args = p.parse_args(argv)
+    users, items = (2_000, 1_000) if args.quick else (20_000, 5_000)
+    if args.quick:
+        args.interactions = 40_000
     from benchmarks.table_bench import machine, write_results
 
     info = machine()
@@ -97,7 +104,7 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, python, workers, engine, backend in runs:
-            r = run(python, workers, engine, backend, args.interactions, args.port, tmp)
+            r = run(python, workers, engine, backend, args.interactions, args.port, tmp, users, items)
             results.append({"run": label, "layout": "sharded cuckoo" if backend == "cuckoo" else "shared Redis",
                             **r})
             print(f"  {label}, {results[-1]['layout']}: {r}", flush=True)

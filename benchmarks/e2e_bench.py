@@ -32,7 +32,7 @@ import numpy as np
 from benchmarks import common
 
 HERE = Path(__file__).resolve().parent
-TFRA_PYTHON = os.environ.get("TFRA_PYTHON", str(Path.home() / ".cache/tfde-anchors/tfra/bin/python"))
+TFRA_PYTHON = common.TFRA_PYTHON
 MAX_EVAL = 20_000  # held-out pairs evaluated, like the demo
 FLOOR = "floor: frozen dense tables"  # the same model with embedding work removed (tf-keras)
 

@@ -27,8 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import common
+
 HERE = Path(__file__).resolve().parent
-TFRA_PYTHON = os.environ.get("TFRA_PYTHON", str(Path.home() / ".cache/tfde-anchors/tfra/bin/python"))
+TFRA_PYTHON = common.TFRA_PYTHON
 
 
 def alternate(fns: dict, keys_per_call: int, repeats: int = 7) -> dict:

@@ -35,7 +35,7 @@ import numpy as np
 from benchmarks import common
 
 HERE = Path(__file__).resolve().parent
-TFRA_PYTHON = os.environ.get("TFRA_PYTHON", str(Path.home() / ".cache/tfde-anchors/tfra/bin/python"))
+TFRA_PYTHON = common.TFRA_PYTHON
 OPS = ("insert_new", "insert_existing", "find_hit", "find_miss", "accum_existing", "remove", "export_all",
        "find_batch_uniform", "find_batch_zipf", "upsert_batch_uniform", "upsert_batch_zipf")
 

@@ -7,9 +7,20 @@
 #
 # The virtualenvs are cached outside the clone, keyed by a hash of their
 # dependency specs, in $TFDE_VENV_ROOT (default ~/.cache/tfde/venvs).
+#
+#   bash scripts/test.sh            everything (what CI runs)
+#   bash scripts/test.sh --fast     the fast tier: Keras 3 only, no test that starts a process
+#                                   (worker jobs, redis-server instances, compilers: marked
+#                                   "slow" by tests/conftest.py), no Horovod environment
+# Further arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+FAST=0
+if [ "${1:-}" = "--fast" ]; then
+  FAST=1
+  shift
+fi
 
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 KEY=$(cat pyproject.toml scripts/requirements-test.txt | sha256sum | cut -c1-16)
@@ -51,6 +62,14 @@ if ! "$VENV/bin/python" -c "import redis,sys; redis.Redis(port=6379, socket_conn
   sleep 1
 fi
 
+export TFDE_CACHE_DIR=${TFDE_CACHE_DIR:-$HOME/.cache/tfde}
+export TF_CPP_MIN_LOG_LEVEL=2
+if [ "$FAST" = 1 ]; then
+  "$VENV/bin/tfde" build
+  echo "=== fast tier: Keras 3 (TF 2.21), no test that starts a process"
+  exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --ignore=tests/horovod -m "not slow" "$@"
+fi
+
 # The Horovod environment (TF 2.16.2 + tf-keras + Horovod 0.28.1 with gloo),
 # cached like the main one.
 HKEY=$(cat pyproject.toml scripts/requirements-horovod.txt | sha256sum | cut -c1-16)
@@ -71,9 +90,21 @@ if [ ! -f "$HVENV/.complete" ]; then
   touch "$HVENV/.complete"
 fi
 "$HVENV/bin/pip" install -q --no-deps --no-build-isolation -e . >/dev/null
+export TFDE_HOROVOD_PYTHON="$HVENV/bin/python"
 
-export TFDE_CACHE_DIR=${TFDE_CACHE_DIR:-$HOME/.cache/tfde}
-export TF_CPP_MIN_LOG_LEVEL=2
+# The benchmarks' reference system, TFRA 0.8.1 (TF 2.16.2), for
+# tests/test_benchmarks.py, which runs every documented benchmark command in
+# a quick form; cached likewise, keyed by the script that builds it.
+TKEY=$(sha256sum benchmarks/setup-tfra.sh | cut -c1-16)
+export TFRA_VENV=${TFDE_TFRA_VENV:-${TFDE_VENV_ROOT:-$HOME/.cache/tfde/venvs}/tfra-$TKEY}
+if [ ! -f "$TFRA_VENV/.complete" ]; then
+  echo "creating the TFRA reference venv $TFRA_VENV"
+  rm -rf "$TFRA_VENV"
+  PYTHON="$PY" bash benchmarks/setup-tfra.sh
+  touch "$TFRA_VENV/.complete"
+fi
+export TFRA_PYTHON="$TFRA_VENV/bin/python"
+
 "$VENV/bin/tfde" build
 "$HVENV/bin/tfde" build
 

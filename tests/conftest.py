@@ -1,7 +1,9 @@
 """Shared fixtures.  Tests run against real parts: the compiled op library,
 real TF graphs (eager, tf.function, model.fit) and, for Redis, a real server."""
 
+import inspect
 import os
+import re
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -18,6 +20,45 @@ LEGACY_KERAS = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
 # scripts/test.sh and are left out of the Keras 3 run (said in the header).
 TF_KERAS_ONLY = ["test_tfrs.py"]
 collect_ignore = [] if LEGACY_KERAS else list(TF_KERAS_ONLY)
+
+
+# The fast tier (`bash scripts/test.sh --fast`) leaves out every test that
+# starts a process: worker jobs, redis-server instances (standalone,
+# cluster, sentinel), compilers, a fresh Python.  They are marked "slow"
+# here, from their code: the test function, the fixtures it uses and the
+# helpers of its module it calls, so a new test is classified as it is
+# written.
+_STARTS_A_PROCESS = re.compile(r"\bsubprocess\b|\bPopen\b|\bsys\.executable\b|\brun_job\(|horovodrun|"
+                               r"\bstandalone\(|\bRestartable\(|\bcluster\(\)|\bsentinel\(\)|\b_server\(")
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def _starts_a_process(item) -> bool:
+    fn = getattr(item, "function", None)
+    if fn is None:
+        return False
+    functions = [fn] + [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    sources = [_source(f) for f in functions]
+    for f in functions:  # and the module's own helpers (functions, classes) they name
+        module = inspect.getmodule(f)
+        for name in getattr(getattr(f, "__code__", None), "co_names", ()):
+            helper = getattr(module, name, None)
+            if (inspect.isfunction(helper) or inspect.isclass(helper)) and \
+                    getattr(helper, "__module__", None) == getattr(module, "__name__", None):
+                sources.append(_source(helper))
+    return any(_STARTS_A_PROCESS.search(src) for src in sources)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _starts_a_process(item):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_report_header(config):
