@@ -39,8 +39,9 @@ from tfde import initializers as _init
 from tfde.local import local_variable
 from tfde.errors import ConfigError, ShapeError
 from tfde.hashing import shard_index
-from tfde.tables.base import DEFAULT_EXPORT_CHUNK_ROWS, TableCreator, as_keys, check_same_count, key_tensor
-from tfde.tables.cuckoo import CuckooTableCreator, check_dtypes, int_arg
+from tfde.tables.base import (DEFAULT_EXPORT_CHUNK_ROWS, TableCreator, as_keys, check_dtypes, check_same_count, int_arg,
+                              key_tensor)
+from tfde.tables.cuckoo import CuckooTableCreator
 
 
 _SECTION_IDS = itertools.count()

@@ -10,45 +10,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import numbers
 import os
 
 import tensorflow as tf
 from tensorflow.python.trackable import resource as trackable_resource
 
-from tfde._defaults import MAX_DIM
 from tfde import _native
 from tfde.errors import CapacityError, ConfigError, from_op_error
-from tfde.initializers import InitSpec
-from tfde.tables.base import Table, TableCreator, as_keys, as_rows
+from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes, int_arg, native_missing_args
 
 _uid = itertools.count()
-_VALUE_DTYPES = (tf.float32, tf.float64, tf.float16, tf.bfloat16)
-_KEY_DTYPES = (tf.int32, tf.int64, tf.string)
-
-
-def int_arg(value):
-    """`value` as a Python int when it is an integer (a Python int or a numpy
-    integer such as np.int64(64)), else None.  Bools are not integers here:
-    dim=True is a mistake, not 1."""
-    if isinstance(value, (bool, tf.Tensor)) or not isinstance(value, numbers.Integral):
-        return None
-    return int(value)
-
-
-def check_dtypes(key_dtype, value_dtype, dim) -> tuple:
-    """(key dtype, value dtype, dim as an int), or a ConfigError."""
-    key_dtype, value_dtype = tf.as_dtype(key_dtype), tf.as_dtype(value_dtype)
-    if key_dtype not in _KEY_DTYPES:
-        raise ConfigError(f"key_dtype {key_dtype.name} is not supported; use int64, int32 or string")
-    if value_dtype not in _VALUE_DTYPES:
-        raise ConfigError(f"value_dtype {value_dtype.name} is not supported; use float32, float64, float16 or bfloat16")
-    width = int_arg(dim)
-    if width is None or not 1 <= width <= MAX_DIM:
-        raise ConfigError(f"dim must be an int between 1 and {MAX_DIM}, got {dim!r}")
-    return key_dtype, value_dtype, width
-
-
 # The presized layout of backends/cuckoo/cuckoo_table.h (kNumShards shards;
 # buckets of kSlotsPerBucket slots, 64 bytes, filled to kMaxLoadFactor; a
 # first arena chunk of 2^k >= rows rows, k in [6, 30]; row ids are uint32),
@@ -131,14 +102,6 @@ def _capacity_errors(method):
                                 "Variable over more tables or processes") from None
 
     return run
-
-
-def native_missing_args(missing, table):
-    """(defaults tensor, init attrs) of a native find/accum op: what a
-    missing key of `table` reads (an InitSpec, or rows)."""
-    if isinstance(missing, InitSpec):
-        return tf.zeros([0, table.dim], table.value_dtype), missing.attrs()
-    return as_rows(missing, table.value_dtype, table.dim, table.name, "defaults"), {"init_kind": "defaults"}
 
 
 class CuckooTable(Table, trackable_resource.TrackableResource):

@@ -56,8 +56,7 @@ from tfde.errors import (REDIS_ERROR_KINDS, BackendError, BackendUnavailableErro
                          tf_code)
 from tfde.hashing import route_low_np, stable_hash, stable_hash_np, stable_hash_py
 from tfde.initializers import InitSpec
-from tfde.tables.base import Table, TableCreator, as_keys, as_rows
-from tfde.tables.cuckoo import check_dtypes, native_missing_args
+from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes, native_missing_args
 from tfde.tables.redis_config import RedisTableConfig
 
 FORMAT_VERSION = 1

@@ -11,8 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfde.initializers import InitSpec, init_rows_reference
-from tfde.tables.base import Table, TableCreator, as_keys, as_rows
-from tfde.tables.cuckoo import check_dtypes
+from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes
 
 
 def _py_key(k):

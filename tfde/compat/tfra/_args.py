@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from tfde.errors import ConfigError
 from tfde.tables.base import TableCreator
-from tfde.tables.cuckoo import CuckooTableCreator, int_arg
+from tfde.tables.base import int_arg
+from tfde.tables.cuckoo import CuckooTableCreator
 
 GUIDE = "docs/migrating-from-tfra.md"
 

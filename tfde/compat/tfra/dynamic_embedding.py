@@ -26,7 +26,7 @@ import tensorflow as tf
 import tfde
 from tfde.compat.tfra import _args
 from tfde.errors import ConfigError
-from tfde.tables.cuckoo import int_arg
+from tfde.tables.base import int_arg
 
 # ------------------------------------------------------------ restrict policies
 
