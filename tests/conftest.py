@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfde  # noqa: E402
-from tfde.tables import CuckooTableCreator, ReferenceTableCreator  # noqa: E402
+from backends import BACKENDS, VARIABLE_BACKENDS  # noqa: E402
 
 LEGACY_KERAS = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
 
@@ -65,13 +65,14 @@ def pytest_report_header(config):
     if not LEGACY_KERAS:
         return f"Keras 3 run: {', '.join(TF_KERAS_ONLY)} (tfrs, tf-keras only) run in the tf-keras run"
     return None
-BACKENDS = {"cuckoo": CuckooTableCreator, "reference": ReferenceTableCreator}
-
-
-@pytest.fixture(params=sorted(BACKENDS))
+@pytest.fixture(params=VARIABLE_BACKENDS)
 def creator(request):
-    """Every backend, the reference included (its own tests then check the spec)."""
-    return BACKENDS[request.param]()
+    """A TableCreator of every backend Variable-level tests run on
+    (tests/backends.py): cuckoo, the reference (whose own tests then check
+    the spec) and Redis; what a Redis one stored is deleted afterwards."""
+    made = BACKENDS[request.param]()
+    yield made.creator
+    made.cleanup()
 
 
 @pytest.fixture

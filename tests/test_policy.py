@@ -3,29 +3,23 @@ of training steps and restrictions leave exactly the keys the reference
 keeps (ties: smaller stable hash kept), and every slot table (optimizer and
 policy state) always holds exactly the rows' key set."""
 
-import uuid
 
 import numpy as np
 import pytest
-import redis
 import tensorflow as tf
 
 import tfde
+from backends import BACKENDS
 from tfde.hashing import stable_hash_py
 
 pytestmark = pytest.mark.keras  # trains through the Keras optimizer wrapper
 
 
 def creators():
-    yield "cuckoo", tfde.CuckooTableCreator(), lambda: None
-    tag = f"tfde-test-{uuid.uuid4().hex[:12]}"
-
-    def cleanup():
-        client = redis.Redis()
-        for k in client.scan_iter(match=f"{tag}:*"):
-            client.delete(k)
-
-    yield "redis", tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 2}), cleanup
+    """(name, creator, cleanup) of the Variable backends that store (tests/backends.py)."""
+    for name in ("cuckoo", "redis"):
+        made = BACKENDS[name]()
+        yield name, made.creator, made.cleanup
 
 
 class Reference:

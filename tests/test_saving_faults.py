@@ -18,22 +18,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 import tensorflow as tf
 
 import tfde
+from backends import BACKENDS, VARIABLE_BACKENDS
 from conftest import LEGACY_KERAS
 from distributed_check import redis_tag
 from redis_servers import free_port
 from saving_model import creator_for
 from tfde.saving import format as fmt
 from tfde.saving import manager as manager_module
-from tfde.tables import CuckooTableCreator, ReferenceTableCreator
 
 K = tf.keras
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,28 +213,7 @@ def test_a_slot_of_another_dim_is_refused_before_the_tables_change(tmp_path):
 
 # ------------------------------------------------------------ 10: import_ validates before it clears
 
-class _FreshRedis:
-    def __init__(self):
-        self.tag = f"tfde-imp-{uuid.uuid4().hex[:10]}"
-        self.creator = tfde.RedisTableCreator({"model_tag_runtime": self.tag, "storage_slice": 2})
-
-    def cleanup(self):
-        client = redis.Redis(port=6379)
-        stale = list(client.scan_iter(match=f"{self.tag}*"))
-        if stale:
-            client.delete(*stale)
-
-
-class _Plain:
-    def __init__(self, creator):
-        self.creator = creator
-
-    def cleanup(self):
-        pass
-
-
-IMPORT_BACKENDS = {"cuckoo": lambda: _Plain(CuckooTableCreator()), "reference": lambda: _Plain(ReferenceTableCreator()),
-                   "redis": _FreshRedis}
+IMPORT_BACKENDS = {name: BACKENDS[name] for name in VARIABLE_BACKENDS}
 BAD_IMPORTS = {  # (keys, values) for a table of int64 keys and float32 rows of dim 2
     "more_keys_than_rows": (tf.constant([3, 4, 5], tf.int64), tf.ones([2, 2])),
     "more_rows_than_keys": (tf.constant([3], tf.int64), tf.ones([2, 2])),

@@ -1,69 +1,20 @@
 """One suite for every Table backend, checked against the reference table
 (a Python dict, the executable spec)."""
 
-import uuid
 
 import numpy as np
 import pytest
-import redis
 import tensorflow as tf
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-import redis_servers
 import tfde
+from backends import BACKENDS as ALL_BACKENDS, TABLE_BACKENDS, FreshRedis
 from tfde.initializers import InitSpec
 from tfde.tables import CuckooTableCreator, ReferenceTableCreator
 
-class FreshRedis:
-    """A RedisTableCreator whose tables live under a model tag of their own
-    (so runs and tests never meet); .cleanup() deletes them.  mode: 2 the
-    standalone server on 6379, 0 a 3-master cluster, 1 a sentinel-watched
-    master (both started by tests/redis_servers.py)."""
-
-    def __init__(self, mode=2):
-        self.tag = f"tfde-test-{uuid.uuid4().hex[:12]}"
-        cfg = {"model_tag_runtime": self.tag, "storage_slice": 3, "keys_sending_size": 7,
-               "redis_connection_mode": mode}
-        if mode == 2:
-            cfg["redis_host_port"] = REDIS_PORT
-            self.data_ports = [REDIS_PORT]
-        elif mode == 0:
-            self.data_ports = redis_servers.cluster()
-            cfg.update(redis_host_ip=["127.0.0.1"] * 3, redis_host_port=self.data_ports)
-        else:
-            sentinel_port, master_port = redis_servers.sentinel()
-            self.data_ports = [master_port]
-            cfg.update(redis_host_port=sentinel_port, redis_master_name="master")
-        self.creator = tfde.RedisTableCreator(cfg)
-
-    def create(self, *args):
-        return self.creator.create(*args)
-
-    def cleanup(self):
-        for port in self.data_ports:
-            client = redis.Redis(port=port)
-            for key in list(client.scan_iter(match=f"{self.tag}:*")):
-                client.delete(key)
-
-
-# Backends under test (the reference is the oracle): name -> factory of a
-# creator-like object with .create() and .cleanup().
-class _Plain:
-    def __init__(self, creator):
-        self.creator = creator
-
-    def create(self, *args):
-        return self.creator.create(*args)
-
-    def cleanup(self):
-        pass
-
-
-BACKENDS = {"cuckoo": lambda: _Plain(CuckooTableCreator()), "redis": FreshRedis,
-            "redis-cluster": lambda: FreshRedis(mode=0), "redis-sentinel": lambda: FreshRedis(mode=1)}
+BACKENDS = {name: ALL_BACKENDS[name] for name in TABLE_BACKENDS}
 KEY_DTYPES = [tf.int64, tf.int32, tf.string]
-REDIS_PORT = 6379  # the standalone server scripts/test.sh makes sure of
 INIT = InitSpec("uniform", -1.0, 1.0, 3)
 
 
