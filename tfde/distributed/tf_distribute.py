@@ -121,6 +121,10 @@ class DatasetGatherExchange(exchange.Exchange):
         self._variable_id = int.from_bytes(hashlib.blake2b(variable_name.encode(), digest_size=7).digest(), "big")
         with tf.init_scope():
             self._executions = local_variable(tf.zeros([], tf.int64), [], False, f"tfde_tf_data_reads_{self._site}")
+            # One run of the site at a time in this process, in the order of
+            # its run numbers: a parallel map's runs would otherwise hold
+            # several of the site's collectives in flight at once.
+            self._one_at_a_time = tf.CriticalSection(name=f"tfde_tf_data_reads_{self._site}")
 
     def _instance_keys(self):
         """The three instance keys of this execution of the site."""
@@ -135,6 +139,10 @@ class DatasetGatherExchange(exchange.Exchange):
                                           timeout_seconds=self._timeout, **kwargs), tensor)
 
     def rows_for(self, unique_keys, find):
+        return self._one_at_a_time.execute(lambda: self._rows_for(unique_keys, find),
+                                           exclusive_resource_access=False)
+
+    def _rows_for(self, unique_keys, find):
         heads_key, blocks_key, rows_key = self._instance_keys()
         gather, reduce = tf.raw_ops.CollectiveGatherV2, tf.raw_ops.CollectiveReduceV2
         count = tf.shape(unique_keys, out_type=tf.int64)[0]
