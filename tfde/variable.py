@@ -486,15 +486,10 @@ class Variable(tf.Module):
 
     # ------------------------------------------------------------ step buffer
 
-    def _find_everywhere(self, flat_keys):
-        """(rows, exists) of keys that may be owned by any worker of the
-        active exchange (tfde/exchange.py); every worker must call it."""
-        return self._unpack(self._find_everywhere_packed(flat_keys))
-
     def _find_everywhere_packed(self, flat_keys, ex=None):
-        """_find_everywhere's rows and exists as one [n, dim + 1] tensor
-        (exists as 0/1 in the last column: one exchange carries both);
-        through `ex`, else the active exchange."""
+        """Rows and exists of keys that may be owned by any worker, as one
+        [n, dim + 1] tensor (exists as 0/1 in the last column: one exchange
+        carries both); through `ex`, else the active exchange."""
         ex = ex or _exchange.active()
         unique, positions = tf.unique(flat_keys, out_idx=tf.int32)
 
@@ -575,9 +570,6 @@ class Variable(tf.Module):
     def _step_size(self):
         """Rows in the step buffer now (int32 scalar)."""
         return tf.raw_ops.VariableShape(input=self._rows_buffer.handle, out_type=tf.int32)[0]
-
-    def _step_keys(self, indices):
-        return tf.gather(self._keys_buffer, indices)
 
     def _reset_step_buffer(self):
         return tf.group(self._rows_buffer.assign(tf.zeros([0, self.dim], self.value_dtype)),
