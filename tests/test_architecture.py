@@ -83,6 +83,15 @@ def test_the_core_knows_distribution_only_through_the_exchange_seam(module):
     assert "sys.modules" not in source or "horovod" not in source, f"{module} looks for Horovod in sys.modules"
 
 
+@pytest.mark.parametrize("module", CORE)
+def test_no_core_module_names_an_engine(module):
+    """Not even in a comment or a message: what the core says of an engine
+    it learns from the engine (Engine.wrapping_hint and the like)."""
+    source = MODULES[module].read_text().lower()
+    for name in ("horovod", "hvd."):
+        assert name not in source, f"{module} names {name!r}; say it in tfde/distributed/ instead"
+
+
 def test_the_engines_are_registered_by_the_package():
     init = _imports(PACKAGE / "__init__.py")
     assert "tfde.distributed" in init

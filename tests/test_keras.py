@@ -167,6 +167,30 @@ def test_get_config_round_trip():
     assert sq.combiner == "sum"
 
 
+@pytest.mark.parametrize("policy,admission", [
+    (tfde.FrequencyRestrictPolicy, tfde.CounterFilter(min_count=3)),
+    (tfde.TimestampRestrictPolicy(clock="wall"), tfde.ProbabilityFilter(0.5)),
+    (tfde.TTLPolicy(ttl_steps=7), None)], ids=["frequency", "timestamp", "ttl"])
+def test_policies_and_filters_survive_a_layer_config(policy, admission):
+    layer = tfde.keras.layers.Embedding(2, restrict_policy=policy, admission_filter=admission, name="pol")
+    config = layer.get_config()
+    clone = tfde.keras.layers.Embedding.from_config({**config, "name": "pol2"})
+    for mine, theirs in ((layer.params.restrict_policy, clone.params.restrict_policy),
+                         (layer.params.admission_filter, clone.params.admission_filter)):
+        assert type(mine) is type(theirs)
+        if mine is not None:
+            assert mine.get_config() == theirs.get_config()
+
+
+def test_a_layer_config_naming_an_unknown_policy_is_refused():
+    config = tfde.keras.layers.Embedding(2, restrict_policy=tfde.FrequencyRestrictPolicy, name="pol").get_config()
+    config["restrict_policy"] = {"class_name": "RestrictPolicy", "config": {}}  # the abstract base
+    with pytest.raises(tfde.ConfigError, match=r"unknown restrict policy or admission filter 'RestrictPolicy'.*"
+                                               r"FrequencyRestrictPolicy, TimestampRestrictPolicy, TTLPolicy, "
+                                               r"CounterFilter, ProbabilityFilter"):
+        tfde.keras.layers.Embedding.from_config({**config, "name": "pol3"})
+
+
 def test_bad_layer_arguments():
     with pytest.raises(tfde.ConfigError, match="combiner must be None or one of"):
         tfde.keras.layers.Embedding(3, combiner="max")
@@ -214,6 +238,20 @@ def test_a_model_compiled_without_the_tfde_optimizer_is_told_the_fix(compile_arg
                                                              r"model.compile\(optimizer=tfde.DynamicEmbeddingOptimizer"):
         model.fit(data, epochs=1, verbose=0)
     assert int(model.layers[0].params.size()) == 0
+
+
+def test_the_unwrapped_optimizer_error_names_no_engine_the_program_does_not_use():
+    """The distributed engines add their own wrapping hint only to programs
+    that use them (tests/horovod checks Horovod's)."""
+    import sys
+
+    model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, initializer=0.5), tf.keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer=tf.keras.optimizers.SGD(0.1))
+    data = tf.data.Dataset.from_tensor_slices((np.arange(8, dtype=np.int64), np.ones(8, np.float32))).batch(4)
+    assert "horovod.tensorflow" not in sys.modules
+    with pytest.raises(tfde.UnsupportedOptimizerError) as refused:
+        model.fit(data, epochs=1, verbose=0)
+    assert "hvd" not in str(refused.value) and "Horovod" not in str(refused.value)
 
 
 def test_a_wrapped_optimizer_still_builds_and_trains():

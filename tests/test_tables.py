@@ -12,6 +12,7 @@ import tfde
 from backends import BACKENDS as ALL_BACKENDS, TABLE_BACKENDS, FreshRedis
 from tfde.initializers import InitSpec
 from tfde.tables import CuckooTableCreator, ReferenceTableCreator
+from tfde.tables.base import Table, creator_config, creator_from_config
 
 BACKENDS = {name: ALL_BACKENDS[name] for name in TABLE_BACKENDS}
 KEY_DTYPES = [tf.int64, tf.int32, tf.string]
@@ -342,3 +343,43 @@ def test_redis_serving_view_names_an_unreachable_server():
             view.find(tf.constant([1], tf.int64), INIT)
     finally:
         backend.cleanup()
+
+
+def test_every_backend_declares_its_capabilities(backend):
+    """The Table protocol's capabilities are answered by every backend, not
+    found by getattr: memory held here, a serving view (or None), the
+    checkpoint layout, close()."""
+    t = backend.create("caps", tf.int64, tf.float32, 4)
+    t.insert(tf.constant([1, 2, 3], tf.int64), tf.ones([3, 4]))
+    held = int(t.memory_bytes())
+    if t.shared_between_workers:  # a store outside the process
+        assert held == 0
+        view = t.serving_view()
+        assert isinstance(view, Table)
+        rows, exists = view.find(tf.constant([1, 9], tf.int64), InitSpec("constant", -1.0))
+        assert exists.numpy().tolist() == [True, False] and rows.numpy()[0].tolist() == [1.0] * 4
+        with pytest.raises(tfde.ConfigError, match="read-only"):
+            view.insert(tf.constant([5], tf.int64), tf.ones([1, 4]))
+    else:
+        assert held >= 3 * 4 * 4  # at least the rows themselves
+        assert t.serving_view() is None  # serving exports copy in-process rows
+    assert t.files_dir is None or isinstance(t.files_dir, str)
+    assert isinstance(t.in_checkpoints, bool)
+    t.close()
+
+
+@pytest.mark.parametrize("name", ["cuckoo", "reference", "redis"])
+def test_a_creator_comes_back_from_its_config(name):
+    made = ALL_BACKENDS[name]()
+    try:
+        config = creator_config(made.creator)
+        again = creator_from_config(config)
+        assert type(again) is type(made.creator) and again.get_config() == made.creator.get_config()
+    finally:
+        made.cleanup()
+
+
+def test_a_config_naming_an_unknown_creator_is_refused():
+    with pytest.raises(tfde.ConfigError, match=r"unknown table creator 'MyCreator'.*CuckooTableCreator.*"
+                                               r"RedisTableCreator.*ReferenceTableCreator"):
+        creator_from_config({"class_name": "MyCreator", "config": {}})

@@ -142,3 +142,28 @@ def test_restrict_policy_hook_sees_every_training_update():
         loss = tf.reduce_sum(tfde.embedding_lookup(v, tf.constant([3, 1, 3], tf.int64), training=True))
     opt.apply_gradients(zip(tape.gradient(loss, [v.step_buffer]), [v.step_buffer]))
     assert v.restrict_policy.variable is v and v.restrict_policy.seen == [(0, [1, 3])]
+
+
+def test_a_served_variable_reads_the_serving_tables_and_refuses_writes():
+    """Variable.serving_from (what tfde.export_for_serving traces through):
+    lookups read the given tables, writes raise and change nothing, and the
+    Variable reads its own tables again afterwards."""
+    var = tfde.Variable("served", dim=2, initializer=0.0, num_shards=2)
+    var.upsert(tf.constant([1, 2], tf.int64), tf.ones([2, 2]))
+    serving = tfde.CuckooTableCreator().create("serving", tf.int64, tf.float32, 2)
+    serving.insert(tf.constant([1, 3], tf.int64), tf.fill([2, 2], 7.0))
+    with var.serving_from([serving]):
+        rows, exists = var.lookup(tf.constant([1, 2, 3], tf.int64), return_exists=True)
+        assert rows.numpy().tolist() == [[7, 7], [0, 0], [7, 7]] and exists.numpy().tolist() == [True, False, True]
+        for write in (lambda: var.upsert(tf.constant([5], tf.int64), tf.ones([1, 2])),
+                      lambda: var.remove(tf.constant([1], tf.int64)), var.clear):
+            with pytest.raises(tfde.ConfigError, match="read-only while it is served"):
+                write()
+        with pytest.raises(tfde.ConfigError, match="served from other tables already"):
+            with var.serving_from([serving]):
+                pass
+    assert int(var.size()) == 2 and int(serving.size()) == 2
+    assert var.lookup(tf.constant([1], tf.int64)).numpy().tolist() == [[1, 1]]
+    with pytest.raises(tfde.ConfigError, match="has 2 shards; serve it from 1 table or 2, got 3"):
+        with var.serving_from([serving] * 3):
+            pass

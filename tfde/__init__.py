@@ -5,12 +5,16 @@ table by default), Keras layers over them, and an optimizer wrapper that
 updates only the rows a batch touched.  See README.md.
 """
 
-import tensorflow as _tf
+__version__ = "0.1.0"  # the one place it is written (pyproject.toml reads it)
 
-_major, _minor = (int(x) for x in _tf.__version__.split(".")[:2])
-if (_major, _minor) < (2, 16):
-    raise ImportError(f"tfde needs TensorFlow >= 2.16, found {_tf.__version__}; "
-                      "upgrade with `pip install -U 'tensorflow-cpu>=2.16'` (or tensorflow)")
+from tfde import _install  # noqa: E402
+
+_install.check_distributions(_install.installed_tf_distributions())
+try:
+    import tensorflow as _tf  # noqa: E402
+except ImportError as _e:
+    raise _install.missing_tensorflow(_e) from _e
+_install.check_version(_tf.__version__)
 
 from tfde import errors, exchange, hashing, initializers, tables  # noqa: E402
 from tfde import saving  # noqa: E402  (registers the checkpoint saver)
@@ -26,8 +30,6 @@ from tfde.tables import (CuckooTableCreator, RedisTableConfig, RedisTableCreator
 from tfde.variable import Variable, get_variable  # noqa: E402
 from tfde.saving import CheckpointManager, export_changes, export_for_serving  # noqa: E402
 from tfde import distributed  # noqa: E402,F401  (registers the engines with tfde.exchange)
-
-__version__ = "0.1.0"
 
 
 # Last: tfde.keras subclasses tf.keras classes and registers them (and the

@@ -1,5 +1,7 @@
+"""`python -m tfde`: the `tfde` command (tfde_cli.py; `python -m tfde_cli` starts faster)."""
+
 import sys
 
-from tfde.cli import main
+from tfde_cli import main
 
 sys.exit(main())

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tfde.errors import ConfigError
 from tfde.hashing import stable_hash
+from tfde.variable import Variable
 
 _DEFAULTS = ("initializer", "zeros")
 
@@ -65,8 +66,6 @@ class CounterFilter(AdmissionFilter):
 
     def bind(self, variable) -> None:
         super().bind(variable)
-        from tfde.variable import Variable
-
         with tf.init_scope():
             self.counts = Variable(f"{variable.name}-admission", key_dtype=variable.key_dtype,
                                    value_dtype=tf.float64, dim=1, initializer=0.0,

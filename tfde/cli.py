@@ -1,17 +1,14 @@
-"""The `tfde` command.
-
-  tfde train [--data ratings.csv] [--epochs N] ...   train the demo two-tower model
-  tfde train --workers 2 [--engine mwms|horovod]     ... with 2 synchronous worker processes
-  tfde make-data DIR [--ratings N] [--seed S]        write synthetic MovieLens CSVs (ratings.csv, movies.csv)
-  tfde build [--force]                               compile the op library now (for images)
-"""
+"""The commands of `tfde` (the parser and the process set-up are in
+tfde_cli.py, outside the package, so that they run before TensorFlow is
+imported; docs/cli.md)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
+
+import tfde_cli
 
 
 def _launch(args, argv) -> int:
@@ -44,7 +41,7 @@ def _train(args) -> int:
     if args.keras == "tf-keras" and os.environ.get("TF_USE_LEGACY_KERAS") != "1":
         # `import tfde` has chosen tf.keras already: start again with tf-keras.
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
-        os.execv(sys.executable, [sys.executable, "-m", "tfde", *args.argv])
+        os.execv(sys.executable, [sys.executable, "-m", "tfde_cli", *args.argv])
     if args.workers > 1 and not args.as_worker:
         return _launch(args, args.argv)
     from tfde.demo import data as demo_data
@@ -123,57 +120,12 @@ def _build(args) -> int:
     return 0
 
 
+def run(args) -> int:
+    """Runs the command tfde_cli parsed (`args`, with args.argv the words)."""
+    return {"train": _train, "make-data": _make_data, "build": _build}[args.command](args)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="tfde", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the demo two-tower model")
-    t.add_argument("--data", help="MovieLens ratings CSV (userId,movieId,rating,timestamp); default: synthetic")
-    t.add_argument("--interactions", type=int, default=1_000_000)
-    t.add_argument("--users", type=int, default=50_000)
-    t.add_argument("--items", type=int, default=20_000)
-    t.add_argument("--epochs", type=int, default=2)
-    t.add_argument("--batch-size", type=int, default=1024)
-    t.add_argument("--dim", type=int, default=64, help="embedding dim")
-    t.add_argument("--learning-rate", type=float, default=0.01)
-    t.add_argument("--optimizer", default="adam", help="adam, adagrad, sgd, rmsprop, adamw or ftrl")
-    t.add_argument("--k", type=int, default=100, help="recall@k")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--keras", choices=["keras3", "tf-keras"], default="keras3")
-    t.add_argument("--backend", choices=["cuckoo", "redis"], default="cuckoo", help="where the tables live")
-    t.add_argument("--policy", choices=["frequency", "timestamp"], help="restrict policy of the tables")
-    t.add_argument("--max-rows", type=int, help="keep each table at most this many rows (restricted after "
-                                                "every batch; implies --policy frequency if none is given)")
-    t.add_argument("--min-count", type=int, help="admit a key only in the step it is seen for the "
-                                                 "min-count-th time (tfde.CounterFilter)")
-    t.add_argument("--redis-config", help="Redis JSON config (TFRA format) for --backend redis; "
-                                          "default: the file named by $TFDE_REDIS_CONFIG")
-    t.add_argument("--progress", action="store_true", help="progress bar even when stdout is not a terminal")
-    t.add_argument("--workers", type=int, default=1, help="train with this many worker processes on this machine "
-                                                          "(synchronous; each owns a shard of every table)")
-    t.add_argument("--engine", choices=["mwms", "horovod"], default="mwms",
-                   help="with --workers: MultiWorkerMirroredStrategy (TF_CONFIG) or Horovod (horovodrun)")
-    t.add_argument("--as-worker", action="store_true",
-                   help="run as one worker of a job started elsewhere (TF_CONFIG or horovodrun); the launcher "
-                        "of --workers sets it")
-    t.add_argument("--exchange-stats", action="store_true",
-                   help="measure the multi-worker exchange (bytes and time in collectives per step)")
-    t.set_defaults(fn=_train)
-    d = sub.add_parser("make-data", help="write the synthetic data as MovieLens CSV files (what examples/ read)")
-    d.add_argument("directory", help="where ratings.csv and movies.csv go (made if missing; files there are replaced)")
-    d.add_argument("--ratings", type=int, default=100_000, help="ratings to write")
-    d.add_argument("--users", type=int, default=1_000)
-    d.add_argument("--movies", type=int, default=1_700, help="movies in the catalogue (movies.csv)")
-    d.add_argument("--seed", type=int, default=0)
-    d.set_defaults(fn=_make_data)
-    b = sub.add_parser("build", help="compile the native op library for the installed TensorFlow")
-    b.add_argument("--force", action="store_true")
-    b.set_defaults(fn=_build)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
-    args.argv = argv
-    return args.fn(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    """`tfde ...` from Python (tfde_cli.main; the command line, without the
+    start-up speed of the `tfde` script: tfde is imported already)."""
+    return tfde_cli.main(argv)

@@ -5,7 +5,7 @@ talks only to the `Exchange` interface defined here; the exchange of a
 process that trains alone does nothing (`LOCAL`).  Engines that run several
 workers live in tfde/distributed/ and plug in here: tf.distribute
 (tfde/distributed/tf_distribute.py) registers an `Engine` that provides an
-exchange inside a replica context; Horovod (tfde/distributed/horovod.py)
+exchange inside a replica context; an engine outside tf.distribute
 installs its exchange for the whole process (`install`).
 
 What an exchange does (docs/design.md, decisions 4 and 6): every worker owns
@@ -22,8 +22,8 @@ store").  Per Variable and training step, in two steps:
   state: every key is written exactly once per step.
 
 With the loss averaged over the global batch (Keras under a tf.distribute
-strategy; custom loops with tf.nn.compute_average_loss; Horovod by averaging
-gradients), N workers with batch B compute the same update as one worker with
+strategy; custom loops with tf.nn.compute_average_loss; engines that average
+gradients by `gradient_scale`), N workers with batch B compute the same update as one worker with
 batch N*B, up to the order of float summation.
 
 This module uses only TensorFlow and imports nothing from tfde.distributed.
@@ -94,8 +94,9 @@ class Exchange:
     def prepare_gradients(self, optimizer, grads_and_vars: list) -> list:
         """The (gradient, variable) pairs `optimizer` is asked to apply, with
         the dense weights' gradients averaged over the workers where the
-        engine leaves that to the optimizer (Horovod when its
-        DistributedOptimizer's compute_gradients did not run); unchanged
+        engine leaves that to the optimizer (an engine whose distributed
+        optimizer averages only in compute_gradients, which
+        apply_gradients alone skips); unchanged
         where the engine does it (tf.distribute aggregates in
         apply_gradients) or trains alone."""
         return grads_and_vars
@@ -148,6 +149,12 @@ class Engine:
         """Raises when `optimizer` cannot become a tfde optimizer as it is
         (wrapped by the engine in the wrong order)."""
 
+    def wrapping_hint(self) -> Optional[str]:
+        """How this engine's distributed optimizer wraps the tfde one, for
+        an error about an unwrapped optimizer; None when the program does
+        not use the engine."""
+        return None
+
 
 _installed: Optional[Exchange] = None
 _engines: list = []
@@ -161,7 +168,7 @@ def register_engine(engine: Engine) -> None:
 
 def install(exchange: Optional[Exchange]) -> None:
     """Makes `exchange` the one every tfde Variable uses (None removes it);
-    for engines outside tf.distribute (tfde.distributed.horovod.init)."""
+    for engines outside tf.distribute, whose init() calls it."""
     global _installed
     _installed = exchange
 
@@ -219,6 +226,11 @@ def check_optimizer(optimizer) -> None:
     """Lets every engine refuse an optimizer it wrapped in the wrong order."""
     for engine in _engines:
         engine.check_optimizer(optimizer)
+
+
+def wrapping_hints() -> list:
+    """The engines' `wrapping_hint`s that apply to this program."""
+    return [hint for hint in (engine.wrapping_hint() for engine in _engines) if hint]
 
 
 class HostCollectives:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from tfde import _native
+
 _M = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -75,15 +77,11 @@ def stable_hash_np(keys: np.ndarray) -> np.ndarray:
 
 def stable_hash(keys):
     """Stable hash of each key: int64 tensor with the uint64 bits, same shape."""
-    from tfde import _native
-
     h, _ = _native.load().tfde_stable_hash(keys, num_shards=0)
     return h
 
 
 def shard_index(keys, num_shards: int):
     """Shard (int32 in [0, num_shards)) owning each key; same shape as keys."""
-    from tfde import _native
-
     _, s = _native.load().tfde_stable_hash(keys, num_shards=int(num_shards))
     return s

@@ -16,7 +16,10 @@ import dataclasses
 import math
 from typing import Callable, Optional
 
+import numpy as np
+
 from tfde.errors import ConfigError
+from tfde.hashing import mix64, stable_hash_py
 
 SUPPORTED = (
     "a number (constant rows), 'zeros', 'ones', 'uniform', 'normal', 'truncated_normal', or an "
@@ -134,18 +137,12 @@ def default_seed_for(name: str, seed: Optional[int]) -> int:
     `seed=` argument, else a stable hash of its name, so every worker agrees."""
     if seed is not None:
         return int(seed)
-    from tfde.hashing import stable_hash_py
-
     return stable_hash_py(name) & 0x7FFFFFFFFFFFFFFF
 
 
 def init_rows_reference(keys, spec: InitSpec, dim: int):
     """Pure-Python reference of the native initial rows (float64 numpy
     [n, dim]); the definition is in backends/cuckoo/init_rows.h."""
-    import numpy as np
-
-    from tfde.hashing import mix64, stable_hash_py
-
     golden, m = 0x9E3779B97F4A7C15, (1 << 64) - 1
     out = np.empty((len(keys), dim), np.float64)
     p0, p1 = float(np.float32(spec.p0)), float(np.float32(spec.p1))  # op attrs are float32

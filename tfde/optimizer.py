@@ -26,9 +26,11 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfde import exchange as _exchange
-from tfde.errors import UnsupportedOptimizerError
+from tfde.errors import ConfigError, UnsupportedOptimizerError
+from tfde.flavour import flavour_fix, keras_flavour_name
 from tfde.optimizer_rules import RULES, SUPPORTED_NAMES, hp
 from tfde.optimizer_rules import rule_for as _rule_for
+from tfde.saving import registered as _registered
 from tfde.variable import is_step_buffer
 
 
@@ -71,8 +73,9 @@ class DynamicEmbeddingMixin:
 
     @property
     def _tfde_rule(self):
-        # Computed, not stored: Horovod's DistributedOptimizer rebuilds the
-        # optimizer from its config, which carries no tfde attributes.
+        # Computed, not stored: an optimizer that wraps this one (a
+        # distributed engine's) may rebuild it from its config, which
+        # carries no tfde attributes.
         return _rule_for(self)
 
     @classmethod
@@ -81,14 +84,11 @@ class DynamicEmbeddingMixin:
         # _register_serializable) under either Keras; a config written by
         # the other Keras would fail in the base class with "Argument(s) not
         # recognized", so it is refused here naming the Keras that wrote it.
-        # By the Keras classes in the MRO, not cls itself: Horovod's
-        # DistributedOptimizer subclasses this class in a module of its own.
+        # By the Keras classes in the MRO, not cls itself: a distributed
+        # engine's optimizer may subclass this class in a module of its own.
         running = 2 if any(c.__module__.startswith("tf_keras") for c in cls.__mro__) else 3
         other = _OTHER_KERAS_OPTIMIZER_KEYS[running].intersection(config)
         if other:
-            from tfde.errors import ConfigError
-            from tfde.keras.loading import flavour_fix, keras_flavour_name
-
             saved = 5 - running
             raise ConfigError(
                 f"the config of optimizer {config.get('name')!r} was written by {keras_flavour_name(saved)} (it "
@@ -105,9 +105,7 @@ class DynamicEmbeddingMixin:
         # refused before it changes anything (tfde/saving/registered.py).
         children = super()._trackable_children(save_type, **kwargs)
         if save_type == "checkpoint":
-            from tfde.saving import registered
-
-            children = {**children, registered.OPTIMIZER_SLOTS: registered.optimizer_slots(self)}
+            children = {**children, _registered.OPTIMIZER_SLOTS: _registered.optimizer_slots(self)}
         return children
 
     def compute_gradients(self, loss, var_list, tape=None):  # tf-keras; an engine's optimizer may wrap this
@@ -365,7 +363,7 @@ def refuse_plain_optimizers(optimizers_module) -> None:
                     "it is not wrapped by tfde.DynamicEmbeddingOptimizer, which alone can update table rows. "
                     f"Compile with model.compile(optimizer=tfde.DynamicEmbeddingOptimizer("
                     f"tf.keras.optimizers.{name}(...)), ...) (model.compile() without an optimizer uses a plain "
-                    "RMSprop); under Horovod, hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(opt))")
+                    "RMSprop)" + "".join(f"; {hint}" for hint in _exchange.wrapping_hints()))
         return original(self, var_list, *args, **kwargs)
 
     build._tfde_checked = True

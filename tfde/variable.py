@@ -27,6 +27,7 @@ Variable's tables or in none of them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 from typing import Iterator, Optional, Tuple
@@ -36,6 +37,7 @@ import tensorflow as tf
 from tfde import _native
 from tfde import exchange as _exchange
 from tfde import initializers as _init
+from tfde.changes import ChangeLog
 from tfde.local import local_variable
 from tfde.errors import ConfigError, ShapeError
 from tfde.hashing import shard_index
@@ -85,8 +87,8 @@ class Variable(tf.Module):
 
     # The keys of the step buffer are bookkeeping of this process, not model
     # state: kept out of .variables, so that Keras models do not list them
-    # (Horovod's broadcast of model.variables cannot carry strings).
-    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_keys_buffer", "_strategy"}
+    # (a broadcast of model.variables to the workers cannot carry strings).
+    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_keys_buffer", "_strategy", "_serving"}
 
     def __init__(self, name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1,
                  initializer=None, seed: Optional[int] = None, num_shards: int = 1,
@@ -111,6 +113,7 @@ class Variable(tf.Module):
         # The tf.distribute strategy in scope at creation: between-step work
         # (restriction) finds its workers through it even outside the scope.
         self._strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        self._serving = None  # the tables lookups read instead, within serving_from()
         with tf.init_scope():
             self._tables = [self.table_creator.create(self._table_name(i), self.key_dtype, self.value_dtype, dim)
                             for i in range(num_shards)]
@@ -140,8 +143,6 @@ class Variable(tf.Module):
                 name=f"{self.name}_writes", shared_name=f"tfde_writes_{next(_SECTION_IDS)}_{self.name}")
         self.changes = None
         if track_changes:
-            from tfde.changes import ChangeLog
-
             self.changes = ChangeLog(self)
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
@@ -165,6 +166,34 @@ class Variable(tf.Module):
     @property
     def tables(self):
         return list(self._tables)
+
+    @contextlib.contextmanager
+    def serving_from(self, tables):
+        """Within: lookups read `tables` instead of this Variable's own: one
+        table holding every key, or one per shard in this Variable's routing
+        (read-only views, Table.serving_view); every write through the
+        Variable raises ConfigError.  tfde.export_for_serving traces a model
+        this way against the tables its SavedModel holds."""
+        tables = list(tables)
+        if len(tables) not in (1, self.num_shards):
+            raise ConfigError(f"Variable {self.name!r} has {self.num_shards} shards; serve it from 1 table or "
+                              f"{self.num_shards}, got {len(tables)}")
+        if self._serving is not None:
+            raise ConfigError(f"Variable {self.name!r} is being served from other tables already")
+        self._serving = tables
+        try:
+            yield
+        finally:
+            self._serving = None
+
+    def _read_tables(self) -> list:
+        return self._tables if self._serving is None else self._serving
+
+    def _write_tables(self) -> list:
+        if self._serving is not None:
+            raise ConfigError(f"Variable {self.name!r} is read-only while it is served from other tables "
+                              "(Variable.serving_from): a serving export traces lookups only")
+        return self._tables
 
     @property
     def step_buffer(self) -> tf.Variable:
@@ -200,23 +229,26 @@ class Variable(tf.Module):
             return tf.ensure_shape(rows, [None, self.dim])
         return self.initializer
 
-    def _split(self, flat_keys):
-        """(shard of each key, per-shard keys, per-shard positions)."""
-        shard = shard_index(flat_keys, self.num_shards)
-        keys = tf.dynamic_partition(flat_keys, shard, self.num_shards)
-        pos = tf.dynamic_partition(tf.range(tf.size(flat_keys)), shard, self.num_shards)
+    def _split(self, flat_keys, shards=None):
+        """(per-shard keys, per-shard positions) over `shards` (default:
+        num_shards) tables."""
+        shards = self.num_shards if shards is None else shards
+        shard = shard_index(flat_keys, shards)
+        keys = tf.dynamic_partition(flat_keys, shard, shards)
+        pos = tf.dynamic_partition(tf.range(tf.size(flat_keys)), shard, shards)
         return keys, pos
 
     def _find(self, flat_keys, for_update: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
         """(rows, exists); for_update: missing rows read the initializer even
         when an admission filter makes lookups read zeros."""
         missing = self._missing(flat_keys, for_update)
-        if self.num_shards == 1:
-            values, exists = self._tables[0].find(flat_keys, missing)
+        tables = self._read_tables()
+        if len(tables) == 1:
+            values, exists = tables[0].find(flat_keys, missing)
         else:
-            keys, pos = self._split(flat_keys)
+            keys, pos = self._split(flat_keys, len(tables))
             found = []
-            for i, table in enumerate(self._tables):
+            for i, table in enumerate(tables):
                 shard_missing = missing if isinstance(missing, _init.InitSpec) else tf.gather(missing, pos[i])
                 found.append(table.find(keys[i], shard_missing))
             values = tf.dynamic_stitch(pos, [f[0] for f in found])
@@ -257,10 +289,12 @@ class Variable(tf.Module):
         return tf.reshape(values, [-1, self.dim])
 
     def _for_each_shard(self, flat_keys, rows, fn):
-        if self.num_shards == 1:
-            return [fn(self._tables[0], flat_keys, rows)]
+        """fn(table, its keys, their rows) for each shard's part of a write."""
+        tables = self._write_tables()
+        if len(tables) == 1:
+            return [fn(tables[0], flat_keys, rows)]
         keys, pos = self._split(flat_keys)
-        return [fn(t, keys[i], None if rows is None else tf.gather(rows, pos[i])) for i, t in enumerate(self._tables)]
+        return [fn(t, keys[i], None if rows is None else tf.gather(rows, pos[i])) for i, t in enumerate(tables)]
 
     # ------------------------------------------------------------ public API
 
@@ -331,7 +365,7 @@ class Variable(tf.Module):
         return self._exclusively(tf.zeros([0], self.key_dtype), lambda _: (tf.constant(True), self._clear_all()))
 
     def _clear_all(self) -> list:
-        ops = [t.clear() for t in self._tables]
+        ops = [t.clear() for t in self._write_tables()]
         for slot in self._slots.values():
             ops.extend(slot._clear_all())
         return [o for o in ops if o is not None]
@@ -437,11 +471,12 @@ class Variable(tf.Module):
                 raise ConfigError(f"{slot.name!r} cannot be written with {self.name!r} in one step: it has "
                                   f"{slot.num_shards} shards of {slot.key_dtype.name} keys, {self.name!r} has "
                                   f"{self.num_shards} of {self.key_dtype.name}; make it with {self.name!r}.slot()")
+        tables = self._write_tables()
         if self.num_shards == 1:
-            return self._tables[0].insert_with(keys, rows, [(s._tables[0], v) for s, v in others])
+            return tables[0].insert_with(keys, rows, [(s._tables[0], v) for s, v in others])
         parts, pos = self._split(keys)
         ops = []
-        for i, table in enumerate(self._tables):
+        for i, table in enumerate(tables):
             ops.extend(table.insert_with(parts[i], tf.gather(rows, pos[i]),
                                          [(s._tables[i], tf.gather(v, pos[i])) for s, v in others]))
         return ops

@@ -65,6 +65,20 @@ def test_wrapping_order_is_named_when_reversed():
         tfde.DynamicEmbeddingOptimizer(opt)
 
 
+def test_an_unwrapped_optimizer_is_told_the_horovod_wrapping():
+    """A program that imported Horovod and compiled a plain optimizer hears
+    both fixes: the tfde wrapper, and where Horovod's goes (the hint comes
+    from tfde/distributed/horovod.py; the core names no engine)."""
+    import numpy as np
+
+    model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, initializer=0.5), tf.keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer=tf.keras.optimizers.Adam(0.1))
+    data = tf.data.Dataset.from_tensor_slices((np.arange(8, dtype=np.int64), np.ones(8, np.float32))).batch(4)
+    with pytest.raises(tfde.UnsupportedOptimizerError, match=r"not wrapped by tfde.DynamicEmbeddingOptimizer.*"
+                                                             r"hvd.DistributedOptimizer\(tfde.DynamicEmbeddingOptimizer"):
+        model.fit(data, epochs=1, verbose=0)
+
+
 def test_bare_hvd_init_is_refused_with_the_fix(tmp_path, tag):
     with pytest.raises(JobFailed) as failed:
         run_job(tmp_path, 2, "hvd", "sgd", "cuckoo", tag, extra={"bare_hvd_init": True})

@@ -18,6 +18,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tfde.distributed import horovod as tfde_hvd
 from tfde.errors import ConfigError
 
 
@@ -36,8 +37,6 @@ class Engine:
             resolver = self.strategy.cluster_resolver
             self.rank, self.size = resolver.task_id, self.strategy.num_replicas_in_sync
         elif kind == "horovod":
-            import tfde.distributed.horovod as tfde_hvd
-
             self.hvd = tfde_hvd.init()
             import horovod.tensorflow.keras as hvd_keras
 

@@ -36,7 +36,7 @@ from tfde.errors import ConfigError, UnsupportedOptimizerError
 from tfde.variable import is_step_buffer
 
 
-def _import_horovod():
+def import_horovod():
     try:
         import horovod.tensorflow as hvd
     except ImportError as e:
@@ -135,7 +135,7 @@ class HorovodExchange(AllToAllExchange):
 def init(*args, **kwargs):
     """hvd.init(*args, **kwargs), then installs the exchange; returns the
     horovod.tensorflow module."""
-    hvd = _import_horovod()
+    hvd = import_horovod()
     hvd.init(*args, **kwargs)
     return install()
 
@@ -145,7 +145,7 @@ def install():
     joined (hvd.init() called); returns the horovod.tensorflow module.
     Calling it again changes nothing.  For programs that call hvd.init()
     themselves (tfde.compat.tfra's HvdAllToAllEmbedding calls this)."""
-    hvd = _import_horovod()
+    hvd = import_horovod()
     if not hvd.is_initialized():
         raise ConfigError("Horovod is not initialised: call hvd.init() (or tfde.distributed.horovod.init(), which "
                           "also installs tfde's exchange) before building tfde layers")
@@ -181,6 +181,11 @@ class HorovodGuard(exchange.Engine):
             raise UnsupportedOptimizerError(
                 "this optimizer is already Horovod's DistributedOptimizer; wrap in the other order: "
                 "hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(opt)) (see tfde.distributed.horovod)")
+
+    def wrapping_hint(self):
+        if "horovod.tensorflow" not in sys.modules:
+            return None
+        return "under Horovod, hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(opt))"
 
 
 exchange.register_engine(HorovodGuard())

@@ -2,10 +2,10 @@
 
   run_local(["train", "--epochs", "1"], workers=2, engine="mwms")
 
-engine "mwms": N processes of `python -m tfde ...`, each with a TF_CONFIG for
+engine "mwms": N processes of `python -m tfde_cli ...`, each with a TF_CONFIG for
 MultiWorkerMirroredStrategy on free loopback ports (worker 0 is the chief and
 prints; the others log to files).  engine "horovod": `horovodrun -np N -H
-localhost:N --gloo python -m tfde ...`.  Either way the exit status is the
+localhost:N --gloo python -m tfde_cli ...`.  Either way the exit status is the
 first failure's, and when one worker fails the others are stopped rather than
 left waiting for it.  On several machines, start the same command yourself on
 each with TF_CONFIG listing every worker, or with horovodrun -H host1:1,host2:1
@@ -45,7 +45,7 @@ def tf_config(ports: List[int], index: int) -> str:
 
 
 def run_local(argv: List[str], workers: int, engine: str = "mwms", env=None) -> int:
-    """Runs `python -m tfde *argv` as `workers` processes; returns the exit status."""
+    """Runs `python -m tfde_cli *argv` as `workers` processes; returns the exit status."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if workers < 1:
@@ -59,14 +59,14 @@ def run_local(argv: List[str], workers: int, engine: str = "mwms", env=None) -> 
                 "HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 pip install --no-build-isolation horovod==0.28.1; it "
                 "builds against TF <= 2.16) or use --engine mwms")
         cmd = [horovodrun, "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
-               sys.executable, "-m", "tfde", *argv]
+               sys.executable, "-m", "tfde_cli", *argv]
         return subprocess.call(cmd, env=env)
     ports = free_ports(workers)
     logs = tempfile.mkdtemp(prefix="tfde-workers-")
     procs = []
     for i in range(workers):
         out = None if i == 0 else open(os.path.join(logs, f"worker-{i}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tfde", *argv],
+        procs.append(subprocess.Popen([sys.executable, "-m", "tfde_cli", *argv],
                                       env={**env, "TF_CONFIG": tf_config(ports, i)}, stdout=out,
                                       stderr=subprocess.STDOUT if out else None))
     if workers > 1:

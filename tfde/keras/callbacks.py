@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfde.errors import ConfigError
 from tfde.policy import AutoRestrictor
+from tfde.saving import CheckpointManager
 from tfde.variable import model_variables
 
 
@@ -77,8 +78,6 @@ class ModelCheckpoint(tf.keras.callbacks.Callback):
 
     def _manager(self):
         if self.manager is None:
-            from tfde.saving import CheckpointManager
-
             strategy = getattr(self.model, "distribute_strategy", None)
             if strategy is not None and strategy.num_replicas_in_sync <= 1:
                 strategy = None

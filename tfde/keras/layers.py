@@ -13,14 +13,19 @@ from typing import Optional
 import tensorflow as tf
 
 from tfde import initializers as _init
+from tfde.admission import CounterFilter, ProbabilityFilter
 from tfde.errors import ConfigError
+from tfde.flavour import IS_KERAS3
+from tfde.keras.store import StoreReader, StoreWriter
 from tfde.lookup import COMBINERS, _combine, embedding_lookup, embedding_lookup_ragged, embedding_lookup_sparse
-from tfde.tables.base import TableCreator, cast_keys, exact_key_array, key_tensor
+from tfde.policy import FrequencyRestrictPolicy, TimestampRestrictPolicy, TTLPolicy
+from tfde.saving import state
+from tfde.tables.base import (TableCreator, cast_keys, creator_config, creator_from_config, exact_key_array,
+                              key_tensor)
 from tfde.tables.cuckoo import CuckooTableCreator
-from tfde.variable import Variable
+from tfde.variable import Variable, is_step_buffer
 
 _keras = tf.keras
-_IS_KERAS3 = hasattr(_keras, "version") and str(_keras.version()).startswith("3")
 
 
 def _keras3_counts_skip_step_buffers():
@@ -32,8 +37,6 @@ def _keras3_counts_skip_step_buffers():
         from keras.src.utils import summary_utils
     except ImportError:  # a Keras 3 layout without this module: nothing to wrap
         return
-    from tfde.variable import is_step_buffer
-
     for name in ("count_params", "weight_memory_size"):
         original = getattr(summary_utils, name, None)
         if original is None or getattr(original, "_tfde_wrapped", False):
@@ -46,7 +49,7 @@ def _keras3_counts_skip_step_buffers():
         setattr(summary_utils, name, wrapped)
 
 
-if _IS_KERAS3:
+if IS_KERAS3:
     _keras3_counts_skip_step_buffers()
 
 
@@ -69,28 +72,6 @@ def _deserialize_initializer(cfg):
     return _keras.initializers.deserialize(cfg)
 
 
-def _creator_from_config(cfg):
-    if cfg is None:
-        return None
-    if isinstance(cfg, TableCreator):
-        return cfg
-    kind = cfg.get("class_name", "CuckooTableCreator")
-    if kind == "CuckooTableCreator":
-        return CuckooTableCreator(**cfg.get("config", {}))
-    if kind == "RedisTableCreator":
-        from tfde.tables.redis_table import PASSWORD_ENV, SENTINEL_PASSWORD_ENV, RedisTableCreator
-
-        # Configs are saved without passwords; a loading process gives them
-        # in the environment.
-        config = dict(cfg.get("config", {}))
-        for field, env in (("redis_password", PASSWORD_ENV), ("redis_sentinel_password", SENTINEL_PASSWORD_ENV)):
-            if os.environ.get(env):
-                config[field] = os.environ[env]
-        return RedisTableCreator(config)
-    raise ConfigError(f"unknown table creator {kind!r} in a layer config; expected CuckooTableCreator or "
-                      "RedisTableCreator")
-
-
 def _component_config(component):
     """{"class_name", "config"} of a restrict policy or admission filter."""
     if component is None:
@@ -98,16 +79,18 @@ def _component_config(component):
     return {"class_name": type(component).__name__, "config": component.get_config()}
 
 
+# The restrict policies and admission filters a layer config may name.
+_COMPONENTS = {cls.__name__: cls for cls in (FrequencyRestrictPolicy, TimestampRestrictPolicy, TTLPolicy,
+                                             CounterFilter, ProbabilityFilter)}
+
+
 def _component_from_config(cfg):
     if cfg is None:
         return None
-    import tfde
-
-    cls = getattr(tfde, cfg.get("class_name", ""), None)
-    if not isinstance(cls, type) or not issubclass(cls, (tfde.RestrictPolicy, tfde.AdmissionFilter)):
+    cls = _COMPONENTS.get(cfg.get("class_name", ""))
+    if cls is None:
         raise ConfigError(f"unknown restrict policy or admission filter {cfg.get('class_name')!r} in a layer "
-                          "config; expected a tfde policy (FrequencyRestrictPolicy, ...) or filter (CounterFilter, "
-                          "ProbabilityFilter)")
+                          f"config; expected one of tfde's: {', '.join(_COMPONENTS)}")
     return cls(**cfg.get("config", {}))
 
 
@@ -124,7 +107,8 @@ _TFRA_ONLY_KWARGS = {
     "with_unique": "tfde always deduplicates ids before they reach the store; drop with_unique=",
     "with_secondary_unique": "tfde always deduplicates ids before they reach the store; drop "
                              "with_secondary_unique=",
-    "mpi_size": "tfde takes the number of Horovod workers from tfde.distributed.horovod; drop mpi_size=",
+    "mpi_size": "tfde takes the number of workers from the distributed engine that runs the job "
+                "(docs/distributed.md); drop mpi_size=",
     "partitioner": "tfde routes keys to its num_shards= tables by its stable hash; drop partitioner=",
     "bp_v2": "tfde's training steps are synchronous and write each key once per step; drop bp_v2=",
     "max_norm": "tfde does not clip looked-up rows; drop max_norm= (clip in the model if you need to)",
@@ -189,7 +173,7 @@ class Embedding(_keras.layers.Layer):
         # policy's dtype itself (Keras 3: 1.7 -> 1 as int32; tf-keras:
         # float64 -> float32, which rounds ids above 2**24) before call()
         # can check them (_ids).
-        policy_dtype = tf.as_dtype(key_dtype if _IS_KERAS3 else value_dtype).name
+        policy_dtype = tf.as_dtype(key_dtype if IS_KERAS3 else value_dtype).name
         super().__init__(name=name, dtype=policy_dtype, autocast=False, **kwargs)
         if combiner is not None and combiner not in COMBINERS:
             raise ConfigError(f"combiner must be None or one of {COMBINERS}, got {combiner!r}")
@@ -212,7 +196,7 @@ class Embedding(_keras.layers.Layer):
             self._track_step_buffer(self.params.step_buffer)
 
     def _track_step_buffer(self, buffer):
-        if _IS_KERAS3:
+        if IS_KERAS3:
             # Keras 3 reads these Keras-variable attributes off tracked weights.
             for attr, value in (("regularizer", None), ("constraint", None), ("overwrite_with_gradient", False)):
                 if not hasattr(buffer, attr):
@@ -226,7 +210,7 @@ class Embedding(_keras.layers.Layer):
     def build(self, input_shape=None):
         self.built = True
 
-    if _IS_KERAS3:
+    if IS_KERAS3:
         # The layer's dtype policy is the key dtype (see __init__), so outputs
         # are declared with the value dtype here.
         def compute_output_spec(self, inputs, training=None):
@@ -291,15 +275,9 @@ class Embedding(_keras.layers.Layer):
     # which is empty between steps.
 
     def save_own_variables(self, store):
-        from tfde.keras.store import StoreWriter
-        from tfde.saving import state
-
         state.save_variable(self.params, StoreWriter(store))
 
     def load_own_variables(self, store):
-        from tfde.keras.store import StoreReader
-        from tfde.saving import state
-
         state.restore_variable(self.params, [StoreReader(store, f"the weights of layer {self.name!r}")])
 
     def get_config(self):
@@ -314,9 +292,7 @@ class Embedding(_keras.layers.Layer):
             "combiner": self.combiner,
             "num_shards": self.num_shards,
             "seed": self.seed,
-            "table_creator": (None if self._creator_arg is None else
-                              {"class_name": type(self._creator_arg).__name__,
-                               "config": self._creator_arg.get_config()}),
+            "table_creator": creator_config(self._creator_arg),
             "restrict_policy": _component_config(self.params.restrict_policy),
             "admission_filter": _component_config(self.params.admission_filter),
             "track_changes": self.params.changes is not None,
@@ -327,7 +303,7 @@ class Embedding(_keras.layers.Layer):
     def from_config(cls, config):
         config = dict(config)
         config["initializer"] = _deserialize_initializer(config.get("initializer"))
-        config["table_creator"] = _creator_from_config(config.get("table_creator"))
+        config["table_creator"] = creator_from_config(config.get("table_creator"))
         for name in ("restrict_policy", "admission_filter"):
             config[name] = _component_from_config(config.get(name))
         return cls(**config)

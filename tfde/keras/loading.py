@@ -27,27 +27,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfde.errors import CheckpointError
-
-_keras = tf.keras
-
-
-def running_keras_major() -> int:
-    """3 under Keras 3, 2 under tf-keras (TF_USE_LEGACY_KERAS=1)."""
-    version = str(_keras.version()) if hasattr(_keras, "version") else getattr(_keras, "__version__", "2")
-    return int(version.split(".")[0])
-
-
-def flavour_fix(saved_major: int) -> str:
-    """How to run a program under the Keras of major version `saved_major`."""
-    if saved_major >= 3:
-        return ("load it under Keras 3: run without TF_USE_LEGACY_KERAS=1 (unset it before importing "
-                "tensorflow and tfde)")
-    return ("load it under tf-keras: set TF_USE_LEGACY_KERAS=1 before importing tensorflow and tfde "
-            "(pip install tf-keras)")
-
-
-def keras_flavour_name(major: int) -> str:
-    return "Keras 3" if major >= 3 else "tf-keras (Keras 2)"
+from tfde.flavour import flavour_fix, keras_flavour_name, running_keras_major
 
 
 def saved_keras_version(filepath) -> Optional[str]:
@@ -94,4 +74,4 @@ def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs):
       >>> model = tfde.keras.load_model("model.keras")  # doctest: +SKIP
     """
     check_saved_by_this_keras(filepath)
-    return _keras.models.load_model(filepath, custom_objects=custom_objects, compile=compile, **kwargs)
+    return tf.keras.models.load_model(filepath, custom_objects=custom_objects, compile=compile, **kwargs)

@@ -17,7 +17,7 @@ Layout of `directory`:
     ckpt-000000130.partial/      a save under way, or killed: never read, removed by the next save
 
 Workers may instead each save to a directory of their own (a path with the
-rank in it, as TFRA's Horovod programs write `model_dir_{rank}`): each then
+rank in it, as TFRA's multi-worker programs write `model_dir_{rank}`): each then
 manages its directory as above, with only its own worker file, and its
 manifest names it ("writers": [rank]).  Such a part restores into the same
 worker of a job of as many workers only (it owns the same keys again);
@@ -60,6 +60,7 @@ import tensorflow as tf
 
 from tfde import exchange
 from tfde.errors import CheckpointError, ConfigError
+from tfde.flavour import IS_KERAS3
 from tfde.saving import registered
 
 FORMAT_VERSION = 1
@@ -125,8 +126,8 @@ class CheckpointManager:
 
     Every worker of a distributed job must call save() and restore() at the
     same point (they synchronize).  The strategy of a tf.distribute job is the
-    one in scope when the manager is created (or `strategy=`); Horovod jobs
-    need tfde.distributed.horovod.init() first.
+    one in scope when the manager is created (or `strategy=`); a job run by an
+    engine outside tf.distribute installs its exchange first (docs/distributed.md).
 
     Example:
       >>> manager = tfde.saving.CheckpointManager(tmp_dir, model=model, optimizer=model.optimizer)
@@ -329,9 +330,7 @@ def _refuse_unbuilt_keras3_models(objects) -> None:
     built later ("'EagerTensor' object has no attribute
     '_serialize_to_tensors'", then a model with extra weights), with or
     without tfde: say what to do before that happens."""
-    from tfde.keras.layers import _IS_KERAS3
-
-    if not _IS_KERAS3:
+    if not IS_KERAS3:
         return  # tf-keras restores into what is built later
     for name, obj in objects.items():
         if isinstance(obj, tf.keras.Model) and not obj.built:

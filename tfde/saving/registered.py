@@ -27,6 +27,7 @@ from tfde.errors import CheckpointError
 from tfde.optimizer_rules import rule_for
 from tfde.saving import format as fmt
 from tfde.saving import state
+from tfde.variable import Variable
 
 SAVER_NAME = "tfde.Variable"  # package "tfde", name "Variable": recorded in every checkpoint
 
@@ -192,8 +193,6 @@ def optimizer_slots(optimizer) -> OptimizerSlots:
 
 
 def _is_variable(obj) -> bool:
-    from tfde.variable import Variable
-
     return isinstance(obj, Variable)
 
 

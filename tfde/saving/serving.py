@@ -30,39 +30,13 @@ from typing import Dict
 import tensorflow as tf
 
 from tfde.errors import CheckpointError, ConfigError
+from tfde.saving import format as fmt
 from tfde.saving.manager import write_atomic
-from tfde.tables.cuckoo import CuckooTable
-from tfde.variable import Variable, model_variables
+from tfde.saving.state import prefix_counter
+from tfde.tables.cuckoo import SavedByValueCuckooTable
+from tfde.variable import Variable, is_step_buffer, model_variables
 
 SERVING_INFO = "tfde_serving.json"  # in the SavedModel's assets.extra/
-
-
-class _ServingTable(CuckooTable):
-    """A cuckoo table whose whole content goes into the SavedModel as two
-    tensors (restored by TensorFlow's own loader through the traced
-    save/restore functions, so no Python of tfde is needed to load it)."""
-
-    def _serialize_to_tensors(self):
-        keys, values, _ = self._ops.tfde_table_export(
-            self.resource_handle, tf.constant(0, tf.int64), tf.constant(2 ** 62, tf.int64),
-            dim=self.dim, Tkey=self.key_dtype, Tvalue=self.value_dtype)
-        return {"keys": keys, "values": values}
-
-    def _restore_from_tensors(self, restored_tensors):
-        cleared = self.clear()
-        with tf.control_dependencies([cleared]):
-            return self.insert(restored_tensors["keys"], restored_tensors["values"])
-
-
-@contextlib.contextmanager
-def _reading_from(var, tables):
-    """Within: `var` reads from `tables` (its shards), as serving does."""
-    saved = var._tables, var.num_shards
-    var._tables, var.num_shards = list(tables), len(tables)
-    try:
-        yield
-    finally:
-        var._tables, var.num_shards = saved
 
 
 def _input_signature(model, input_signature):
@@ -78,8 +52,6 @@ def _input_signature(model, input_signature):
 
 
 def _dense_weights(model) -> list:
-    from tfde.variable import is_step_buffer
-
     return [w for w in model.weights if not is_step_buffer(w)]
 
 
@@ -136,13 +108,13 @@ def export_for_serving(model, path: str, input_signature=None, rows: str = "embe
         for i, var in enumerate(variables):
             entry = {"index": i, "name": var.name, "dim": var.dim, "key_dtype": var.key_dtype.name,
                      "value_dtype": var.value_dtype.name}
-            views = [getattr(t, "serving_view", None) for t in var.tables]
-            if rows == "store" and all(views):
-                sources.append([view() for view in views])
+            views = [t.serving_view() for t in var.tables] if rows == "store" else []
+            if views and all(v is not None for v in views):
+                sources.append(views)
                 entry["source"] = "store"
                 entry["tables"] = [t.name for t in var.tables]
             else:
-                table = _ServingTable(f"serving/{var.name}", var.key_dtype, var.value_dtype, var.dim)
+                table = SavedByValueCuckooTable(f"serving/{var.name}", var.key_dtype, var.value_dtype, var.dim)
                 count = 0
                 for keys, values in var.export():
                     table.insert(keys, values)
@@ -156,7 +128,7 @@ def export_for_serving(model, path: str, input_signature=None, rows: str = "embe
 
     with contextlib.ExitStack() as stack:
         for var, tables in zip(variables, sources):
-            stack.enter_context(_reading_from(var, tables))
+            stack.enter_context(var.serving_from(tables))
 
         if len(signature) == 1:
             serve = tf.function(lambda x: model(x, training=False), input_signature=signature)
@@ -170,7 +142,7 @@ def export_for_serving(model, path: str, input_signature=None, rows: str = "embe
     # tables), not `serve` itself, which a save could trace again.
     module.serve = concrete
     for i, (var, tables) in enumerate(zip(variables, sources)):
-        if isinstance(tables[0], _ServingTable):  # store-backed Variables change in their store
+        if isinstance(tables[0], SavedByValueCuckooTable):  # store-backed Variables change in their store
             upsert, remove = _writers(tables[0], var)
             setattr(module, f"tfde_upsert_{i}", upsert)
             setattr(module, f"tfde_remove_{i}", remove)
@@ -203,9 +175,6 @@ def export_changes(model_or_variables, since: int, path: str) -> Dict:
     order (export_for_serving's `tfde_variables` order).  Layout: streams
     ``rows`` ([n, dim] rows) and ``evicted`` ([n, 1] removal labels) under
     ``_tfde/changes/<i>`` (tfde/saving/format.py)."""
-    from tfde.saving import format as fmt
-    from tfde.saving.state import prefix_counter
-
     variables = _variables_of(model_or_variables)
     untracked = [v.name for v in variables if v.changes is None]
     if untracked:
@@ -237,8 +206,6 @@ def export_changes(model_or_variables, since: int, path: str) -> Dict:
 def read_changes(path: str):
     """Yields (variable index, name, upserts, removals) from export_changes'
     files: upserts iterates (keys, rows), removals iterates keys."""
-    from tfde.saving import format as fmt
-
     if not os.path.exists(f"{path}.json"):
         raise CheckpointError(f"{path}.json is missing: not a complete incremental export")
     with open(f"{path}.json") as f:

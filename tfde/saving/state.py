@@ -49,13 +49,13 @@ def worker_of(var) -> Tuple[int, int]:
 
 def in_checkpoints(var) -> bool:
     """False when the store is the source of truth (Redis table_store_mode 2)."""
-    return all(getattr(t, "in_checkpoints", True) for t in var.tables)
+    return all(t.in_checkpoints for t in var.tables)
 
 
 def files_dir(var) -> Optional[str]:
     """Where the rows go instead of the checkpoint (Redis table_store_mode 1:
     model_lib_abs_dir/model_tag_runtime), or None."""
-    return getattr(var.tables[0], "files_dir", None)
+    return var.tables[0].files_dir
 
 
 def _owned(keys, rows, rank, size):

@@ -13,13 +13,13 @@ from __future__ import annotations
 import abc
 import math
 import numbers
-from typing import Iterator, Tuple, Union
+from typing import Callable, Dict, Iterator, Optional, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
 
 from tfde._defaults import CHUNK_ROWS, MAX_DIM
-from tfde.errors import ConfigError
+from tfde.errors import ConfigError, ShapeError
 from tfde.initializers import InitSpec
 
 Missing = Union[InitSpec, tf.Tensor]
@@ -91,6 +91,32 @@ class Table:
     # Whether checkpoints hold the rows (False: the store is the source of
     # truth and a restore leaves it as it is).
     in_checkpoints = True
+    # A directory where checkpoints write this table's rows as files of
+    # their own instead of into the checkpoint (Redis table_store_mode 1), or
+    # None: the rows go into the checkpoint (when in_checkpoints).
+    files_dir: Optional[str] = None
+
+    # ---- declared capabilities: every backend answers these (defaults here)
+
+    def memory_bytes(self) -> tf.Tensor:
+        """Bytes of this process's memory the table holds (int64 scalar); 0
+        for a store whose rows live outside the process (Redis)."""
+        raise NotImplementedError
+
+    def serving_view(self) -> Optional["Table"]:
+        """A read-only table over the same rows that a SavedModel can hold
+        and read with tfde's ops alone, without its Python
+        (tfde.export_for_serving(rows="store")); None when the rows cannot be
+        read live from a serving process (an in-process table: a serving
+        export copies them)."""
+        return None
+
+    def close(self) -> None:
+        """Releases what the table holds outside TensorFlow's resources
+        (connections, a store's expiry); the table is not used afterwards.
+        In-process tables are freed with their TF resource: nothing to do."""
+
+    # ---- the store
 
     def find(self, keys, missing: Missing) -> Tuple[tf.Tensor, tf.Tensor]:
         """Rows of `keys` ([n, dim]) and whether each key is stored ([n] bool).
@@ -171,7 +197,17 @@ class Table:
 
 
 class TableCreator(abc.ABC):
-    """Makes the tables of a Variable: its rows, optimizer slots and policy state."""
+    """Makes the tables of a Variable: its rows, optimizer slots and policy state.
+
+    A creator is saved in layer configs as {"class_name", "config"}
+    (`creator_config`) and rebuilt by `creator_from_config`, the one place
+    that turns a config into a backend: a creator class registers itself
+    there with `register_creator`."""
+
+    @classmethod
+    def from_config(cls, config: dict) -> "TableCreator":
+        """The creator that get_config() described."""
+        return cls(**config)
 
     @abc.abstractmethod
     def create(self, name: str, key_dtype: tf.DType, value_dtype: tf.DType, dim: int) -> Table:
@@ -181,12 +217,38 @@ class TableCreator(abc.ABC):
         return {}
 
 
+_CREATORS: Dict[str, Callable[[dict], TableCreator]] = {}
+
+
+def register_creator(cls):
+    """Class decorator: layer configs may name `cls` (by its class name)."""
+    _CREATORS[cls.__name__] = cls
+    return cls
+
+
+def creator_config(creator: Optional[TableCreator]) -> Optional[dict]:
+    """{"class_name", "config"} of `creator`, for a layer config."""
+    if creator is None:
+        return None
+    return {"class_name": type(creator).__name__, "config": creator.get_config()}
+
+
+def creator_from_config(config) -> Optional[TableCreator]:
+    """The TableCreator a layer config holds (as creator_config wrote it); a
+    class that did not register_creator is refused here, naming those that did."""
+    if config is None or isinstance(config, TableCreator):
+        return config
+    kind = config.get("class_name", "CuckooTableCreator")
+    if kind not in _CREATORS:
+        raise ConfigError(f"unknown table creator {kind!r} in a layer config; expected one of "
+                          f"{', '.join(sorted(_CREATORS))}")
+    return _CREATORS[kind].from_config(dict(config.get("config", {})))
+
+
 def check_same_count(keys: tf.Tensor, rows: tf.Tensor, what: str) -> list:
     """Raises ShapeError when 1-D `keys` and [n, dim] `rows` have statically
     different lengths; returns the run-time check for lengths a graph only
     knows when it runs ([] when both are known), for writes to depend on."""
-    from tfde.errors import ShapeError
-
     n_keys, n_rows = keys.shape[0] if keys.shape.rank else None, rows.shape[0] if rows.shape.rank else None
     if n_keys is not None and n_rows is not None:
         if n_keys != n_rows:
@@ -213,8 +275,6 @@ def _key_range(key_dtype: tf.DType) -> Tuple[int, int]:
 
 
 def _out_of_range(value, key_dtype: tf.DType, table_name: str):
-    from tfde.errors import ShapeError
-
     lo, hi = _key_range(key_dtype)
     return ShapeError(f"key {value!r} for table {table_name!r} is outside the range of its key dtype "
                       f"{key_dtype.name}, [{lo}, {hi}]; converting it would wrap around to another key. Map or "
@@ -222,8 +282,6 @@ def _out_of_range(value, key_dtype: tf.DType, table_name: str):
 
 
 def _not_whole(value, key_dtype: tf.DType, table_name: str, whole_floats: bool):
-    from tfde.errors import ShapeError
-
     if whole_floats:
         return ShapeError(f"key {value!r} for table {table_name!r} is not a whole number; its ids must be "
                           f"integers ({key_dtype.name}): a float id would be truncated to another key")
@@ -239,8 +297,6 @@ def exact_key_array(keys, key_dtype: tf.DType, table_name: str, whole_floats: bo
     ShapeError names the first id that is not an integer in the dtype's
     range.  Floats are refused unless `whole_floats` (Keras layers, fed float
     placeholders): then whole-number floats are accepted, fractions are not."""
-    from tfde.errors import ShapeError
-
     np_dtype = key_dtype.as_numpy_dtype
     lo, hi = _key_range(key_dtype)
     if isinstance(keys, (np.ndarray, np.generic)):
@@ -296,8 +352,6 @@ def key_tensor(keys, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
     why not.  A tensor must have the key dtype already (a cast of wider ids
     could wrap: see cast_keys); other ids are converted exactly
     (exact_key_array; no floats)."""
-    from tfde.errors import ShapeError
-
     if isinstance(keys, (tf.Tensor, tf.Variable)) or tf.is_tensor(keys):
         if keys.dtype != key_dtype:
             raise ShapeError(f"keys for table {table_name!r} are {keys.dtype.name}, expected {key_dtype.name}; "
@@ -339,8 +393,6 @@ def cast_keys(keys: tf.Tensor, key_dtype: tf.DType, table_name: str) -> tf.Tenso
     the step with an InvalidArgumentError naming the table, and that the
     cast ids depend on, so nothing reads (or writes) them before it passed.
     Keras layers use it (Keras feeds float placeholders and int64 data)."""
-    from tfde.errors import ShapeError
-
     if keys.dtype == key_dtype:
         return keys
     if not key_dtype.is_integer or not (keys.dtype.is_integer or keys.dtype.is_floating):
@@ -387,8 +439,6 @@ def as_keys(keys, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
 
 def as_rows(values, value_dtype: tf.DType, dim: int, table_name: str, what: str = "values") -> tf.Tensor:
     """`values` as a [n, dim] tensor of `value_dtype`, or a ShapeError."""
-    from tfde.errors import ShapeError
-
     values = tf.convert_to_tensor(values)
     if values.dtype != value_dtype:
         if values.dtype.is_floating or values.dtype.is_integer:

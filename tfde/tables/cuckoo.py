@@ -17,7 +17,8 @@ from tensorflow.python.trackable import resource as trackable_resource
 
 from tfde import _native
 from tfde.errors import CapacityError, ConfigError, from_op_error
-from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes, int_arg, native_missing_args
+from tfde.tables.base import (Table, TableCreator, as_keys, as_rows, check_dtypes, int_arg, native_missing_args,
+                              register_creator)
 
 _uid = itertools.count()
 # The presized layout of backends/cuckoo/cuckoo_table.h (kNumShards shards;
@@ -177,12 +178,32 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
 
     # Checkpoints save Variables, not tables: a Variable streams all its
     # tables (tfde/saving).  Serving exports embed whole tables
-    # (tfde/saving/serving.py).
+    # (SavedByValueCuckooTable below).
 
     def __repr__(self):
         return f"CuckooTable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}])"
 
 
+class SavedByValueCuckooTable(CuckooTable):
+    """A cuckoo table that a SavedModel holds by value (its keys and rows as
+    two tensors), restored by TensorFlow's own loader through the traced
+    save/restore functions: a serving process loads it without tfde's
+    Python (tfde.export_for_serving(rows="embedded")).  Training tables are
+    saved by their Variables instead (tfde/saving/)."""
+
+    def _serialize_to_tensors(self):
+        keys, values, _ = self._ops.tfde_table_export(
+            self.resource_handle, tf.constant(0, tf.int64), tf.constant(2 ** 62, tf.int64),
+            dim=self.dim, Tkey=self.key_dtype, Tvalue=self.value_dtype)
+        return {"keys": keys, "values": values}
+
+    def _restore_from_tensors(self, restored_tensors):
+        cleared = self.clear()
+        with tf.control_dependencies([cleared]):
+            return self.insert(restored_tensors["keys"], restored_tensors["values"])
+
+
+@register_creator
 @dataclasses.dataclass(frozen=True)
 class CuckooTableCreator(TableCreator):
     """Creates CuckooTables (the default backend).

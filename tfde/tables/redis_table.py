@@ -56,7 +56,8 @@ from tfde.errors import (REDIS_ERROR_KINDS, BackendError, BackendUnavailableErro
                          tf_code)
 from tfde.hashing import route_low_np, stable_hash, stable_hash_np, stable_hash_py
 from tfde.initializers import InitSpec
-from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes, native_missing_args
+from tfde.tables.base import (Table, TableCreator, as_keys, as_rows, check_dtypes, native_missing_args,
+                              register_creator)
 from tfde.tables.redis_config import RedisTableConfig
 
 FORMAT_VERSION = 1
@@ -421,6 +422,10 @@ class RedisTable(Table, trackable_base.Trackable):
         self._open_meta()
         self._watch()
         self._call("open", lambda: [self._client.persist(k) for k in self._buckets + [self._meta_key]])
+
+    def memory_bytes(self):
+        """0: the rows live in Redis, not in this process."""
+        return tf.constant(0, tf.int64)
 
     def close(self) -> None:
         """Sets the expiry of this table's hashes (expire_model_tag_in_seconds;
@@ -918,14 +923,29 @@ class RedisServingTable(Table):
 
     insert = accum = remove = clear = size = export_chunk = _read_only
 
+    def memory_bytes(self):
+        return tf.constant(0, tf.int64)  # the rows live in Redis
+
     def __repr__(self):
         return f"RedisServingTable({self.name!r}, {len(self._attrs['buckets'])} buckets)"
 
 
+@register_creator
 class RedisTableCreator(TableCreator):
     """Creates RedisTables from a RedisTableConfig, a dict, a JSON path, or
     (None) the path in $TFDE_REDIS_CONFIG.  Tables of one creator share a
     connection pool."""
+
+    @classmethod
+    def from_config(cls, config):
+        """Configs are saved without passwords (get_config); a loading
+        process gives them in $TFDE_REDIS_PASSWORD and
+        $TFDE_REDIS_SENTINEL_PASSWORD."""
+        config = dict(config)
+        for field, env in (("redis_password", PASSWORD_ENV), ("redis_sentinel_password", SENTINEL_PASSWORD_ENV)):
+            if os.environ.get(env):
+                config[field] = os.environ[env]
+        return cls(config)
 
     def __init__(self, config=None):
         self.config = RedisTableConfig.load(config)

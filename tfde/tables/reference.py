@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfde.initializers import InitSpec, init_rows_reference
-from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes
+from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes, register_creator
 
 
 def _py_key(k):
@@ -79,6 +79,10 @@ class ReferenceTable(Table):
     def size(self):
         return tf.constant(len(self.rows), tf.int64)
 
+    def memory_bytes(self):
+        """The rows' bytes (the dict and its keys not counted)."""
+        return tf.constant(sum(row.nbytes for row in self.rows.values()), tf.int64)
+
     def export_chunk(self, cursor, max_rows):
         items = sorted(self.rows.items())
         cursor, max_rows = int(cursor), int(max_rows)
@@ -90,6 +94,7 @@ class ReferenceTable(Table):
         return keys, vals, tf.constant(nxt, tf.int64)
 
 
+@register_creator
 @dataclasses.dataclass(frozen=True)
 class ReferenceTableCreator(TableCreator):
     """Creates ReferenceTables (tests and executable spec only)."""

@@ -7,6 +7,7 @@ import os
 
 import tfde
 from tfde.compat.tfra import _args
+from tfde.distributed import horovod
 from tfde.errors import ConfigError
 
 
@@ -15,9 +16,7 @@ def DEHvdBroadcastGlobalVariablesCallback(root_rank=0, device="", local_variable
     local_variables): dense weights and optimizer variables start equal on
     every worker.  tfde's tables need no broadcast: each key's initial row is
     a function of the key and the seed, the same on every worker."""
-    from tfde.distributed.horovod import _import_horovod
-
-    _import_horovod()  # Horovod missing: the ImportError names the install command
+    horovod.import_horovod()  # Horovod missing: the ImportError names the install command
     import horovod.tensorflow.keras as hvd_keras
 
     return hvd_keras.callbacks.BroadcastGlobalVariablesCallback(root_rank, device=device,

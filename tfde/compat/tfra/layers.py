@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import tfde
 from tfde.compat.tfra import _args
+from tfde.distributed import horovod
 from tfde.errors import ConfigError
 from tfde.lookup import COMBINERS
 
@@ -101,8 +102,6 @@ def HvdAllToAllEmbedding(with_unique=True, with_secondary_unique=True, mpi_size=
     four leading ones (so pass them as keywords); mpi_size, when given, must
     be the number of Horovod workers; with_secondary_unique and batch_size
     are accepted and unused."""
-    from tfde.distributed import horovod
-
     hvd = horovod.install()
     if mpi_size is not None and mpi_size != hvd.size():
         raise ConfigError(f"de.keras.layers.HvdAllToAllEmbedding: mpi_size={mpi_size!r}, but Horovod runs "

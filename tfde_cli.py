@@ -1,0 +1,98 @@
+"""The `tfde` command (docs/cli.md).
+
+  tfde train [--data ratings.csv] [--epochs N] ...   train the demo two-tower model
+  tfde train --workers 2 [--engine mwms|horovod]     ... with 2 synchronous worker processes
+  tfde make-data DIR [--ratings N] [--seed S]        write synthetic MovieLens CSVs (ratings.csv, movies.csv)
+  tfde build [--force]                               compile the op library now (for images)
+
+TensorFlow's own log lines are off unless --tf-logs is given (or
+TF_CPP_MIN_LOG_LEVEL is set).
+
+This module sits outside the tfde package on purpose: importing anything
+from tfde imports TensorFlow (seconds), so the arguments are parsed, --help
+answered and the environment TensorFlow reads at import set (its log level;
+TF_USE_LEGACY_KERAS for --keras tf-keras) before tfde.cli runs the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tfde", description=__doc__.split("\n\nThis module")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tf-logs", action="store_true", help="show TensorFlow's C++ log lines and warnings")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the demo two-tower model")
+    t.add_argument("--data", help="MovieLens ratings CSV (userId,movieId,rating,timestamp); default: synthetic")
+    t.add_argument("--interactions", type=int, default=1_000_000)
+    t.add_argument("--users", type=int, default=50_000)
+    t.add_argument("--items", type=int, default=20_000)
+    t.add_argument("--epochs", type=int, default=2)
+    t.add_argument("--batch-size", type=int, default=1024)
+    t.add_argument("--dim", type=int, default=64, help="embedding dim")
+    t.add_argument("--learning-rate", type=float, default=0.01)
+    t.add_argument("--optimizer", default="adam", help="adam, adagrad, sgd, rmsprop, adamw or ftrl")
+    t.add_argument("--k", type=int, default=100, help="recall@k")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--keras", choices=["keras3", "tf-keras"], default="keras3")
+    t.add_argument("--backend", choices=["cuckoo", "redis"], default="cuckoo", help="where the tables live")
+    t.add_argument("--policy", choices=["frequency", "timestamp"], help="restrict policy of the tables")
+    t.add_argument("--max-rows", type=int, help="keep each table at most this many rows (restricted after "
+                                                "every batch; implies --policy frequency if none is given)")
+    t.add_argument("--min-count", type=int, help="admit a key only in the step it is seen for the "
+                                                 "min-count-th time (tfde.CounterFilter)")
+    t.add_argument("--redis-config", help="Redis JSON config (TFRA format) for --backend redis; "
+                                          "default: the file named by $TFDE_REDIS_CONFIG")
+    t.add_argument("--progress", action="store_true", help="progress bar even when stdout is not a terminal")
+    t.add_argument("--workers", type=int, default=1, help="train with this many worker processes on this machine "
+                                                          "(synchronous; each owns a shard of every table)")
+    t.add_argument("--engine", choices=["mwms", "horovod"], default="mwms",
+                   help="with --workers: MultiWorkerMirroredStrategy (TF_CONFIG) or Horovod (horovodrun)")
+    t.add_argument("--as-worker", action="store_true",
+                   help="run as one worker of a job started elsewhere (TF_CONFIG or horovodrun); the launcher "
+                        "of --workers sets it")
+    t.add_argument("--exchange-stats", action="store_true",
+                   help="measure the multi-worker exchange (bytes and time in collectives per step)")
+    d = sub.add_parser("make-data", help="write the synthetic data as MovieLens CSV files (what examples/ read)")
+    d.add_argument("directory", help="where ratings.csv and movies.csv go (made if missing; files there are replaced)")
+    d.add_argument("--ratings", type=int, default=100_000, help="ratings to write")
+    d.add_argument("--users", type=int, default=1_000)
+    d.add_argument("--movies", type=int, default=1_700, help="movies in the catalogue (movies.csv)")
+    d.add_argument("--seed", type=int, default=0)
+    b = sub.add_parser("build", help="compile the native op library for the installed TensorFlow")
+    b.add_argument("--force", action="store_true")
+    return p
+
+
+def quiet_tensorflow(show_logs: bool) -> None:
+    """TensorFlow's C++ logs (oneDNN, CUDA probing, absl) and the Python
+    warnings of TensorFlow and Keras reach the terminal only when asked for.
+    Only before TensorFlow is imported (the `tfde` script): a program that
+    calls main() keeps its own settings."""
+    if show_logs or "tensorflow" in sys.modules:
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import warnings
+
+    for package in ("tensorflow", "keras", "tf_keras", "tensorflow_recommenders", "absl"):
+        warnings.filterwarnings("ignore", module=rf"{package}(\.|$)")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    args.argv = argv
+    quiet_tensorflow(args.tf_logs)
+    if getattr(args, "keras", None) == "tf-keras" and "tensorflow" not in sys.modules:
+        os.environ["TF_USE_LEGACY_KERAS"] = "1"  # read when TensorFlow is imported, which is next
+    from tfde import cli
+
+    return cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
