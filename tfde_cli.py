@@ -17,8 +17,11 @@ TF_USE_LEGACY_KERAS for --keras tf-keras) before tfde.cli runs the command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import sys
+import tempfile
 
 
 def parser() -> argparse.ArgumentParser:
@@ -82,6 +85,53 @@ def quiet_tensorflow(show_logs: bool) -> None:
         warnings.filterwarnings("ignore", module=rf"{package}(\.|$)")
 
 
+# What TensorFlow writes to the terminal when it is imported, straight to
+# file descriptor 2 (C++ and absl, before absl's logging is set up, so
+# TF_CPP_MIN_LOG_LEVEL does not reach it): absl-format lines ("I0000
+# 00:00:1796157516.247052 17143 cudart_stub.cc:31] ...", with absl's notice
+# before them; the seconds are not yet a time of day then) and
+# TensorFlow's own ("2026-12-01 20:32:12.543713: E external/...").
+_TF_IMPORT_NOISE = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called"
+                              r"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w./-]+:\d+\]"
+                              r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] ")
+
+
+def _flush_c_stdio() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # pragma: no cover - no C library to ask
+        pass
+
+
+@contextlib.contextmanager
+def _tensorflow_lines_dropped(drop: bool):
+    """Within: what is written to fd 2 is held back, then written out without
+    TensorFlow's import-time lines; all of it when the block raised."""
+    if not drop:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            sys.stderr.flush()
+            _flush_c_stdio()  # absl writes through C's buffered stderr
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if failed or not _TF_IMPORT_NOISE.match(line):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
@@ -89,8 +139,8 @@ def main(argv=None) -> int:
     quiet_tensorflow(args.tf_logs)
     if getattr(args, "keras", None) == "tf-keras" and "tensorflow" not in sys.modules:
         os.environ["TF_USE_LEGACY_KERAS"] = "1"  # read when TensorFlow is imported, which is next
-    from tfde import cli
-
+    with _tensorflow_lines_dropped(not args.tf_logs and "tensorflow" not in sys.modules):
+        from tfde import cli
     return cli.run(args)
 
 
