@@ -25,8 +25,11 @@ import tempfile
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tfde", description=__doc__.split("\n\nThis module")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="tfde",
+        description=__doc__.split("\n\nThis module")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--tf-logs", action="store_true", help="show TensorFlow's C++ log lines and warnings")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the demo two-tower model")
@@ -44,22 +47,45 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--keras", choices=["keras3", "tf-keras"], default="keras3")
     t.add_argument("--backend", choices=["cuckoo", "redis"], default="cuckoo", help="where the tables live")
     t.add_argument("--policy", choices=["frequency", "timestamp"], help="restrict policy of the tables")
-    t.add_argument("--max-rows", type=int, help="keep each table at most this many rows (restricted after "
-                                                "every batch; implies --policy frequency if none is given)")
-    t.add_argument("--min-count", type=int, help="admit a key only in the step it is seen for the "
-                                                 "min-count-th time (tfde.CounterFilter)")
-    t.add_argument("--redis-config", help="Redis JSON config (TFRA format) for --backend redis; "
-                                          "default: the file named by $TFDE_REDIS_CONFIG")
+    t.add_argument(
+        "--max-rows",
+        type=int,
+        help="keep each table at most this many rows (restricted after "
+        "every batch; implies --policy frequency if none is given)",
+    )
+    t.add_argument(
+        "--min-count",
+        type=int,
+        help="admit a key only in the step it is seen for the min-count-th time (tfde.CounterFilter)",
+    )
+    t.add_argument(
+        "--redis-config",
+        help="Redis JSON config (TFRA format) for --backend redis; default: the file named by $TFDE_REDIS_CONFIG",
+    )
     t.add_argument("--progress", action="store_true", help="progress bar even when stdout is not a terminal")
-    t.add_argument("--workers", type=int, default=1, help="train with this many worker processes on this machine "
-                                                          "(synchronous; each owns a shard of every table)")
-    t.add_argument("--engine", choices=["mwms", "horovod"], default="mwms",
-                   help="with --workers: MultiWorkerMirroredStrategy (TF_CONFIG) or Horovod (horovodrun)")
-    t.add_argument("--as-worker", action="store_true",
-                   help="run as one worker of a job started elsewhere (TF_CONFIG or horovodrun); the launcher "
-                        "of --workers sets it")
-    t.add_argument("--exchange-stats", action="store_true",
-                   help="measure the multi-worker exchange (bytes and time in collectives per step)")
+    t.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="train with this many worker processes on this machine (synchronous; each owns a shard of every table)",
+    )
+    t.add_argument(
+        "--engine",
+        choices=["mwms", "horovod"],
+        default="mwms",
+        help="with --workers: MultiWorkerMirroredStrategy (TF_CONFIG) or Horovod (horovodrun)",
+    )
+    t.add_argument(
+        "--as-worker",
+        action="store_true",
+        help="run as one worker of a job started elsewhere (TF_CONFIG or horovodrun); the launcher "
+        "of --workers sets it",
+    )
+    t.add_argument(
+        "--exchange-stats",
+        action="store_true",
+        help="measure the multi-worker exchange (bytes and time in collectives per step)",
+    )
     d = sub.add_parser("make-data", help="write the synthetic data as MovieLens CSV files (what examples/ read)")
     d.add_argument("directory", help="where ratings.csv and movies.csv go (made if missing; files there are replaced)")
     d.add_argument("--ratings", type=int, default=100_000, help="ratings to write")
@@ -91,9 +117,11 @@ def quiet_tensorflow(show_logs: bool) -> None:
 # 00:00:1796157516.247052 17143 cudart_stub.cc:31] ...", with absl's notice
 # before them; the seconds are not yet a time of day then) and
 # TensorFlow's own ("2026-12-01 20:32:12.543713: E external/...").
-_TF_IMPORT_NOISE = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called"
-                              r"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w./-]+:\d+\]"
-                              r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] ")
+_TF_IMPORT_NOISE = re.compile(
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called"
+    r"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w./-]+:\d+\]"
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] "
+)
 
 
 def _flush_c_stdio() -> None:

@@ -16,22 +16,29 @@ except ImportError as _e:
     raise _install.missing_tensorflow(_e) from _e
 _install.check_version(_tf.__version__)
 
-from tfde import errors, exchange, hashing, initializers, tables  # noqa: E402
-from tfde import saving  # noqa: E402  (registers the checkpoint saver)
+# tfde.saving registers the checkpoint saver; tfde.distributed registers the
+# engines with tfde.exchange.
+from tfde import distributed, errors, exchange, hashing, initializers, saving, tables  # noqa: E402
 from tfde.admission import AdmissionFilter, CounterFilter, ProbabilityFilter  # noqa: E402
-from tfde.errors import (BackendError, BackendUnavailableError, CapacityError, CheckpointError,  # noqa: E402
-                         ConfigError, CredentialsError, ShapeError, TfdeError, UnsupportedOptimizerError)
+from tfde.errors import (  # noqa: E402
+    BackendError,
+    BackendUnavailableError,
+    CapacityError,
+    CheckpointError,
+    ConfigError,
+    CredentialsError,
+    ShapeError,
+    TfdeError,
+    UnsupportedOptimizerError,
+)
 from tfde.lookup import embedding_lookup, embedding_lookup_ragged, embedding_lookup_sparse  # noqa: E402
 from tfde.optimizer import DynamicEmbeddingOptimizer  # noqa: E402
-from tfde.policy import (AutoRestrictor, FrequencyRestrictPolicy, RestrictPolicy,  # noqa: E402
-                         TimestampRestrictPolicy, TTLPolicy)
-from tfde.tables import (CuckooTableCreator, RedisTableConfig, RedisTableCreator, Table,  # noqa: E402
-                         TableCreator)
-from tfde.variable import Variable, get_variable  # noqa: E402
+from tfde.policy import AutoRestrictor, FrequencyRestrictPolicy, RestrictPolicy, TimestampRestrictPolicy, TTLPolicy  # noqa: E402
 from tfde.saving import CheckpointManager, export_changes, export_for_serving  # noqa: E402
-from tfde import distributed  # noqa: E402,F401  (registers the engines with tfde.exchange)
+from tfde.tables import CuckooTableCreator, RedisTableConfig, RedisTableCreator, Table, TableCreator  # noqa: E402
+from tfde.variable import Variable, get_variable  # noqa: E402
 
-
+# isort: split
 # Last: tfde.keras subclasses tf.keras classes and registers them (and the
 # wrapped optimizers) with Keras, so keras.models.load_model finds them after
 # a plain `import tfde`.  tf.keras is decided here: set TF_USE_LEGACY_KERAS=1
@@ -39,10 +46,43 @@ from tfde import distributed  # noqa: E402,F401  (registers the engines with tfd
 from tfde import keras  # noqa: E402
 
 __all__ = [
-    "Variable", "get_variable", "embedding_lookup", "embedding_lookup_sparse", "embedding_lookup_ragged",
-    "DynamicEmbeddingOptimizer", "CuckooTableCreator", "RedisTableConfig", "RedisTableCreator", "Table", "TableCreator", "RestrictPolicy", "FrequencyRestrictPolicy", "TimestampRestrictPolicy", "TTLPolicy", "AutoRestrictor", "AdmissionFilter", "CounterFilter", "ProbabilityFilter",
-    "CheckpointManager", "export_for_serving", "export_changes",
-    "TfdeError", "CheckpointError", "ConfigError", "ShapeError", "CapacityError", "BackendUnavailableError",
-    "BackendError", "CredentialsError",
-    "UnsupportedOptimizerError", "errors", "hashing", "initializers", "tables", "keras",
+    "Variable",
+    "get_variable",
+    "embedding_lookup",
+    "embedding_lookup_sparse",
+    "embedding_lookup_ragged",
+    "DynamicEmbeddingOptimizer",
+    "CuckooTableCreator",
+    "RedisTableConfig",
+    "RedisTableCreator",
+    "Table",
+    "TableCreator",
+    "RestrictPolicy",
+    "FrequencyRestrictPolicy",
+    "TimestampRestrictPolicy",
+    "TTLPolicy",
+    "AutoRestrictor",
+    "AdmissionFilter",
+    "CounterFilter",
+    "ProbabilityFilter",
+    "CheckpointManager",
+    "export_for_serving",
+    "export_changes",
+    "TfdeError",
+    "CheckpointError",
+    "ConfigError",
+    "ShapeError",
+    "CapacityError",
+    "BackendUnavailableError",
+    "BackendError",
+    "CredentialsError",
+    "UnsupportedOptimizerError",
+    "distributed",
+    "errors",
+    "exchange",
+    "saving",
+    "hashing",
+    "initializers",
+    "tables",
+    "keras",
 ]

@@ -12,8 +12,10 @@ MIN_TF = (2, 16)
 # The distributions that install the `tensorflow` package; each overwrites
 # the files of another installed next to it.
 TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu")
-INSTALL = ("pip install 'tfde[cpu]' (tensorflow-cpu, Keras 3 only) or pip install 'tfde[tfrs]' (tensorflow, "
-           "tf-keras and TensorFlow Recommenders)")
+INSTALL = (
+    "pip install 'tfde[cpu]' (tensorflow-cpu, Keras 3 only) or pip install 'tfde[tfrs]' (tensorflow, "
+    "tf-keras and TensorFlow Recommenders)"
+)
 
 
 def installed_tf_distributions() -> Dict[str, str]:
@@ -36,16 +38,18 @@ def check_distributions(found: Dict[str, str]) -> None:
         raise ImportError(
             f"this environment holds two distributions of TensorFlow ({listed}), which install the same files over "
             f"each other; keep one: pip uninstall -y {' '.join(sorted(found))} && pip install "
-            f"'{keep}=={found[keep]}' (tf-keras and tensorflow-recommenders need `tensorflow`; docs/install.md)")
+            f"'{keep}=={found[keep]}' (tf-keras and tensorflow-recommenders need `tensorflow`; docs/install.md)"
+        )
 
 
 def missing_tensorflow(error: ImportError) -> ImportError:
-    return ImportError(f"tfde needs TensorFlow >= {MIN_TF[0]}.{MIN_TF[1]}, which cannot be imported ({error}); "
-                       f"install it with {INSTALL}")
+    return ImportError(
+        f"tfde needs TensorFlow >= {MIN_TF[0]}.{MIN_TF[1]}, which cannot be imported ({error}); "
+        f"install it with {INSTALL}"
+    )
 
 
 def check_version(version: str) -> None:
     major, minor = (int(x) for x in version.split(".")[:2])
     if (major, minor) < MIN_TF:
-        raise ImportError(f"tfde needs TensorFlow >= {MIN_TF[0]}.{MIN_TF[1]}, found {version}; upgrade with "
-                          f"{INSTALL}")
+        raise ImportError(f"tfde needs TensorFlow >= {MIN_TF[0]}.{MIN_TF[1]}, found {version}; upgrade with {INSTALL}")

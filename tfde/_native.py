@@ -23,9 +23,16 @@ from pathlib import Path
 
 from tfde.errors import BuildError
 
-_SOURCES = ("cuckoo/hash.h", "cuckoo/init_rows.h", "cuckoo/row_copy.h", "cuckoo/cuckoo_table.h", "cuckoo/op_support.h",
-            "cuckoo/ops.cc",
-            "redis/resp_client.h", "redis/ops.cc")
+_SOURCES = (
+    "cuckoo/hash.h",
+    "cuckoo/init_rows.h",
+    "cuckoo/row_copy.h",
+    "cuckoo/cuckoo_table.h",
+    "cuckoo/op_support.h",
+    "cuckoo/ops.cc",
+    "redis/resp_client.h",
+    "redis/ops.cc",
+)
 _UNITS = ("cuckoo/ops.cc", "redis/ops.cc")  # compiled into the one library
 _lock = threading.Lock()
 _ops = None
@@ -68,8 +75,16 @@ def _build_command(cxx: str, out: Path) -> list[str]:
 
     srcs = [str(source_dir() / unit) for unit in _UNITS]
     return [
-        cxx, "-shared", "-fPIC", "-O3", "-Wno-deprecated-declarations", "-o", str(out), *srcs,
-        *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags(),
+        cxx,
+        "-shared",
+        "-fPIC",
+        "-O3",
+        "-Wno-deprecated-declarations",
+        "-o",
+        str(out),
+        *srcs,
+        *tf.sysconfig.get_compile_flags(),
+        *tf.sysconfig.get_link_flags(),
     ]
 
 

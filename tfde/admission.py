@@ -43,7 +43,8 @@ class AdmissionFilter(abc.ABC):
         if self.variable is not None and self.variable is not variable:
             raise ConfigError(
                 f"this {type(self).__name__} already belongs to Variable {self.variable.name!r}; an admission filter "
-                f"keeps per-key state for one Variable: create one per Variable or layer (for {variable.name!r} too)")
+                f"keeps per-key state for one Variable: create one per Variable or layer (for {variable.name!r} too)"
+            )
         self.variable = variable
 
     def get_config(self) -> dict:
@@ -67,10 +68,16 @@ class CounterFilter(AdmissionFilter):
     def bind(self, variable) -> None:
         super().bind(variable)
         with tf.init_scope():
-            self.counts = Variable(f"{variable.name}-admission", key_dtype=variable.key_dtype,
-                                   value_dtype=tf.float64, dim=1, initializer=0.0,
-                                   num_shards=variable.num_shards, table_creator=variable.table_creator,
-                                   trainable=False)
+            self.counts = Variable(
+                f"{variable.name}-admission",
+                key_dtype=variable.key_dtype,
+                value_dtype=tf.float64,
+                dim=1,
+                initializer=0.0,
+                num_shards=variable.num_shards,
+                table_creator=variable.table_creator,
+                trainable=False,
+            )
 
     def get_config(self):
         return {"min_count": self.min_count, **super().get_config()}
@@ -82,8 +89,10 @@ class CounterFilter(AdmissionFilter):
         seen = self.counts._find(candidates)[0][:, 0] + 1.0
         admitted_new = seen >= float(self.min_count)
         waiting = tf.boolean_mask(candidates, ~admitted_new)
-        ops = [self.counts.upsert(waiting, tf.boolean_mask(seen, ~admitted_new)[:, None]),
-               self.counts.remove(tf.boolean_mask(candidates, admitted_new))]
+        ops = [
+            self.counts.upsert(waiting, tf.boolean_mask(seen, ~admitted_new)[:, None]),
+            self.counts.remove(tf.boolean_mask(candidates, admitted_new)),
+        ]
         with tf.control_dependencies([o for o in ops if o is not None]):
             # scatter the decisions for the candidates back over all keys
             positions = tf.where(~stored)[:, 0]
@@ -104,7 +113,7 @@ class ProbabilityFilter(AdmissionFilter):
         # Mix the seed into the stable hash, then compare the top 53 bits
         # (exact in float64) with p.
         h = tf.bitcast(stable_hash(keys), tf.uint64)
-        mixed = tf.bitwise.bitwise_xor(h, tf.constant((self.seed * 0x9E3779B97F4A7C15) & (2 ** 64 - 1), tf.uint64))
+        mixed = tf.bitwise.bitwise_xor(h, tf.constant((self.seed * 0x9E3779B97F4A7C15) & (2**64 - 1), tf.uint64))
         mixed = tf.bitcast(stable_hash(tf.bitcast(mixed, tf.int64)), tf.uint64)
-        u = tf.cast(tf.bitwise.right_shift(mixed, tf.constant(11, tf.uint64)), tf.float64) * (2.0 ** -53)
+        u = tf.cast(tf.bitwise.right_shift(mixed, tf.constant(11, tf.uint64)), tf.float64) * (2.0**-53)
         return stored | (u < self.p)

@@ -25,7 +25,6 @@ import tensorflow as tf
 from tfde._defaults import CHUNK_ROWS
 
 
-
 class ChangeLog:
     """Change labels and tombstones of one Variable (see the module docstring).
 
@@ -35,11 +34,19 @@ class ChangeLog:
         self.variable = variable
         self.written = variable.slot("changes-step", -1.0, dim=1, value_dtype=tf.float64)
         with tf.init_scope():
-            self.evicted = type(variable)(f"{variable.name}-evicted", key_dtype=variable.key_dtype, value_dtype=tf.float64,
-                                    dim=1, initializer=-1.0, num_shards=variable.num_shards,
-                                    table_creator=variable.table_creator, trainable=False)
-            self.clock = tf.Variable(tf.constant(0.0, tf.float64), trainable=False,
-                                     name=f"{variable.name.replace('/', '_')}_changes_clock")
+            self.evicted = type(variable)(
+                f"{variable.name}-evicted",
+                key_dtype=variable.key_dtype,
+                value_dtype=tf.float64,
+                dim=1,
+                initializer=-1.0,
+                num_shards=variable.num_shards,
+                table_creator=variable.table_creator,
+                trainable=False,
+            )
+            self.clock = tf.Variable(
+                tf.constant(0.0, tf.float64), trainable=False, name=f"{variable.name.replace('/', '_')}_changes_clock"
+            )
 
     def step_values(self, keys, step) -> dict:
         """The labels of the rows a training step (starting at iteration

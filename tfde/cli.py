@@ -18,8 +18,10 @@ def _launch(args, argv) -> int:
     worker_argv = _without(argv, "--workers") + ["--as-worker"]
     env = dict(os.environ)
     if args.keras != "tf-keras":
-        print("--workers trains with tf-keras: Keras 3's model.fit fails under MultiWorkerMirroredStrategy and "
-              "Horovod supports tf-keras only (README, 'Distributed training')")
+        print(
+            "--workers trains with tf-keras: Keras 3's model.fit fails under MultiWorkerMirroredStrategy and "
+            "Horovod supports tf-keras only (README, 'Distributed training')"
+        )
         worker_argv += ["--keras", "tf-keras"]
     return run_local(worker_argv, args.workers, args.engine, env=env)
 
@@ -60,8 +62,10 @@ def _train(args) -> int:
         import tfde
 
         creator = tfde.RedisTableCreator(args.redis_config)
-        say(f"backend: Redis at {creator.config.describe_servers()}, model tag "
-              f"{creator.config.model_tag_runtime!r} (rows already stored under it are reused)")
+        say(
+            f"backend: Redis at {creator.config.describe_servers()}, model tag "
+            f"{creator.config.model_tag_runtime!r} (rows already stored under it are reused)"
+        )
     t = time.perf_counter()
     if args.data:
         data = demo_data.movielens_csv(args.data, seed=args.seed)
@@ -69,28 +73,52 @@ def _train(args) -> int:
     else:
         data = demo_data.synthetic(args.interactions, args.users, args.items, seed=args.seed)
         source = f"synthetic ({args.interactions:,} interactions, {args.users:,} users, {args.items:,} items)"
-    say(f"workers: {engine.size} ({args.engine}), {args.batch_size} examples per worker and step"
-        if engine.size > 1 else "workers: 1")
-    say(f"data: {source}: {data.num_train:,} train / {len(data.test_items):,} held out, "
-          f"loaded in {time.perf_counter() - t:.1f}s")
-    result = train(data, epochs=args.epochs, batch_size=args.batch_size, embedding_dim=args.dim,
-                   learning_rate=args.learning_rate, optimizer=args.optimizer, seed=args.seed, table_creator=creator,
-                   policy=args.policy, max_rows=args.max_rows, min_count=args.min_count,
-                   verbose=1 if sys.stdout.isatty() or args.progress else 2, k=args.k, engine=engine)
+    say(
+        f"workers: {engine.size} ({args.engine}), {args.batch_size} examples per worker and step"
+        if engine.size > 1
+        else "workers: 1"
+    )
+    say(
+        f"data: {source}: {data.num_train:,} train / {len(data.test_items):,} held out, "
+        f"loaded in {time.perf_counter() - t:.1f}s"
+    )
+    result = train(
+        data,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        embedding_dim=args.dim,
+        learning_rate=args.learning_rate,
+        optimizer=args.optimizer,
+        seed=args.seed,
+        table_creator=creator,
+        policy=args.policy,
+        max_rows=args.max_rows,
+        min_count=args.min_count,
+        verbose=1 if sys.stdout.isatty() or args.progress else 2,
+        k=args.k,
+        engine=engine,
+    )
     k = args.k
     if not engine.chief:
         return 0 if result[f"recall@{k}"] > result[f"most_popular_recall@{k}"] else 1
     ex = result["exchange"]
     if ex and ex["steps"]:
         steps = ex["steps"]
-        print(f"exchange (worker 0): {ex['bytes'] / steps / 1024:,.1f} KiB/step handed to collectives, "
-              f"{1000 * ex['seconds'] / steps:.1f} ms/step in them of {1000 * ex['fit_seconds'] / steps:.1f} ms/step, "
-              f"{ex['calls'] / steps:.0f} calls/step")
+        print(
+            f"exchange (worker 0): {ex['bytes'] / steps / 1024:,.1f} KiB/step handed to collectives, "
+            f"{1000 * ex['seconds'] / steps:.1f} ms/step in them of {1000 * ex['fit_seconds'] / steps:.1f} ms/step, "
+            f"{ex['calls'] / steps:.0f} calls/step"
+        )
     shard = " (worker 0's shard)" if engine.size > 1 else ""
     print(f"rows stored{shard}: {result['user_rows']:,} users, {result['item_rows']:,} items")
-    print(f"final loss {result['loss']:.4f}, {result['examples_per_s']:,.0f} examples/s" + (" (all workers)" if engine.size > 1 else ""))
-    print(f"held-out recall@{k}: {result[f'recall@{k}']:.4f}  "
-          f"(most-popular baseline: {result[f'most_popular_recall@{k}']:.4f})")
+    print(
+        f"final loss {result['loss']:.4f}, {result['examples_per_s']:,.0f} examples/s"
+        + (" (all workers)" if engine.size > 1 else "")
+    )
+    print(
+        f"held-out recall@{k}: {result[f'recall@{k}']:.4f}  "
+        f"(most-popular baseline: {result[f'most_popular_recall@{k}']:.4f})"
+    )
     if result[f"recall@{k}"] <= result[f"most_popular_recall@{k}"]:
         print("the model did not beat the most-popular baseline", file=sys.stderr)
         return 1
@@ -101,13 +129,16 @@ def _make_data(args) -> int:
     from tfde.demo.data import write_movielens_csv
 
     try:
-        paths = write_movielens_csv(args.directory, num_ratings=args.ratings, num_users=args.users,
-                                    num_movies=args.movies, seed=args.seed)
+        paths = write_movielens_csv(
+            args.directory, num_ratings=args.ratings, num_users=args.users, num_movies=args.movies, seed=args.seed
+        )
     except ValueError as e:
         print(f"tfde make-data: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.ratings:,} ratings of {args.users:,} users and {args.movies:,} movies (seed {args.seed}): "
-          + ", ".join(paths))
+    print(
+        f"wrote {args.ratings:,} ratings of {args.users:,} users and {args.movies:,} movies (seed {args.seed}): "
+        + ", ".join(paths)
+    )
     return 0
 
 

@@ -37,8 +37,11 @@ class _OpError:
         # The tf.errors class (UnavailableError, ...) sets the code; called by
         # name, since a ValueError base (CredentialsError) comes before it in
         # the MRO and would swallow a plain super().__init__.
-        tf_class = next(c for c in type(self).__mro__ if issubclass(c, tf.errors.OpError)
-                        and c.__module__ == tf.errors.OpError.__module__)
+        tf_class = next(
+            c
+            for c in type(self).__mro__
+            if issubclass(c, tf.errors.OpError) and c.__module__ == tf.errors.OpError.__module__
+        )
         tf_class.__init__(self, node_def, op, message)
         self.args = (message,)
 
@@ -97,23 +100,27 @@ class CheckpointError(TfdeError):
 # NOSCRIPT, EXECABORT, ERR, ...) are "refused".  MOVED and ASK are not
 # errors but cluster redirections, which both clients follow.
 REDIS_ERROR_KINDS = {
-    "LOADING": "transient",      # the server is loading its data set after a restart
-    "BUSY": "transient",         # a script or module call is running too long
-    "TRYAGAIN": "transient",     # a cluster slot is migrating
+    "LOADING": "transient",  # the server is loading its data set after a restart
+    "BUSY": "transient",  # a script or module call is running too long
+    "TRYAGAIN": "transient",  # a cluster slot is migrating
     "CLUSTERDOWN": "transient",  # the cluster lost quorum or a slot's node
-    "MASTERDOWN": "transient",   # a replica lost its master
-    "READONLY": "transient",     # the node became a replica (failover): find the master again
-    "OOM": "capacity",           # used memory > maxmemory
+    "MASTERDOWN": "transient",  # a replica lost its master
+    "READONLY": "transient",  # the node became a replica (failover): find the master again
+    "OOM": "capacity",  # used memory > maxmemory
     "NOAUTH": "credentials",
     "WRONGPASS": "credentials",
     "NOPERM": "credentials",
 }
-_KIND_CLASS = {"transient": BackendUnavailableError, "capacity": CapacityError, "credentials": CredentialsError,
-               "refused": BackendError}
+_KIND_CLASS = {
+    "transient": BackendUnavailableError,
+    "capacity": CapacityError,
+    "credentials": CredentialsError,
+    "refused": BackendError,
+}
 
 
 def redis_error_kind(code: str) -> str:
-    """"transient", "capacity", "credentials" or "refused" for the code of
+    """ "transient", "capacity", "credentials" or "refused" for the code of
     a Redis error reply ("WRONGTYPE", "LOADING", ...)."""
     return REDIS_ERROR_KINDS.get(code, "refused")
 

@@ -254,8 +254,9 @@ def host_collectives(strategy=None) -> Optional[HostCollectives]:
     in scope.  Every worker must make the same calls in the same order."""
     if _installed is not None and _installed.size > 1:
         if getattr(_installed, "all_gather", None) is None:
-            raise ConfigError(f"the installed exchange {type(_installed).__name__} has no all_gather for "
-                              "between-step collectives")
+            raise ConfigError(
+                f"the installed exchange {type(_installed).__name__} has no all_gather for between-step collectives"
+            )
         return HostCollectives(_installed.all_gather, int(_installed.rank), _installed.size)
     for engine in _engines:
         host = engine.host_collectives(strategy)
@@ -277,6 +278,7 @@ def barrier(strategy=None) -> None:
 
 # ---------------------------------------------------------------- measuring
 
+
 class ExchangeStats:
     """What this process handed to the exchange's collectives: payload bytes,
     seconds spent inside them (waiting for the other workers included) and
@@ -289,8 +291,10 @@ class ExchangeStats:
     def _variables(self):
         if self._vars is None:
             with tf.init_scope():  # created on first use, lifted out of any tf.function
-                self._vars = [local_variable(tf.zeros([], dt), [], False, f"tfde_exchange_{what}")
-                              for dt, what in ((tf.int64, "bytes"), (tf.float64, "seconds"), (tf.int64, "calls"))]
+                self._vars = [
+                    local_variable(tf.zeros([], dt), [], False, f"tfde_exchange_{what}")
+                    for dt, what in ((tf.int64, "bytes"), (tf.float64, "seconds"), (tf.int64, "calls"))
+                ]
         return self._vars
 
     def record(self, nbytes, seconds):

@@ -21,10 +21,12 @@ IS_KERAS3 = running_keras_major() >= 3
 def flavour_fix(saved_major: int) -> str:
     """How to run a program under the Keras of major version `saved_major`."""
     if saved_major >= 3:
-        return ("load it under Keras 3: run without TF_USE_LEGACY_KERAS=1 (unset it before importing "
-                "tensorflow and tfde)")
-    return ("load it under tf-keras: set TF_USE_LEGACY_KERAS=1 before importing tensorflow and tfde "
-            "(pip install tf-keras)")
+        return (
+            "load it under Keras 3: run without TF_USE_LEGACY_KERAS=1 (unset it before importing tensorflow and tfde)"
+        )
+    return (
+        "load it under tf-keras: set TF_USE_LEGACY_KERAS=1 before importing tensorflow and tfde (pip install tf-keras)"
+    )
 
 
 def keras_flavour_name(major: int) -> str:

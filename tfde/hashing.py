@@ -31,7 +31,7 @@ def stable_hash_py(key) -> int:
         data = key.encode() if isinstance(key, str) else key
         h = mix64(len(data) ^ 0x5F3759DF5F3759DF)
         for off in range(0, len(data), 8):
-            word = int.from_bytes(data[off:off + 8].ljust(8, b"\0"), "little")
+            word = int.from_bytes(data[off : off + 8].ljust(8, b"\0"), "little")
             h = mix64(h ^ word)
         return h
     return mix64(int(np.int64(key)) & _M)
@@ -48,6 +48,7 @@ def shard_of_py(hash_u64: int, num_shards: int) -> int:
 # inside a Variable (the high bits).  Defined once per kind of caller: a
 # Python int, numpy arrays, TF tensors (backends/redis/ops.cc has the C++
 # one); tests/test_native_core.py pins them to each other.
+
 
 def route_low_py(hash_u64: int, n: int) -> int:
     """Owner / bucket among n of a key whose stable hash is hash_u64."""

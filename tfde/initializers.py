@@ -88,9 +88,12 @@ def resolve(init, dim: int, default_seed: int):
         return InitSpec("constant", float(init), 0.0, default_seed)
     if isinstance(init, str):
         named = {
-            "zeros": InitSpec("constant", 0.0), "ones": InitSpec("constant", 1.0),
-            "uniform": InitSpec("uniform", -0.05, 0.05), "random_uniform": InitSpec("uniform", -0.05, 0.05),
-            "normal": InitSpec("normal", 0.0, 0.05), "random_normal": InitSpec("normal", 0.0, 0.05),
+            "zeros": InitSpec("constant", 0.0),
+            "ones": InitSpec("constant", 1.0),
+            "uniform": InitSpec("uniform", -0.05, 0.05),
+            "random_uniform": InitSpec("uniform", -0.05, 0.05),
+            "normal": InitSpec("normal", 0.0, 0.05),
+            "random_normal": InitSpec("normal", 0.0, 0.05),
             "truncated_normal": InitSpec("truncated_normal", 0.0, 0.05),
         }
         if init.lower() in named:
@@ -148,7 +151,7 @@ def init_rows_reference(keys, spec: InitSpec, dim: int):
     p0, p1 = float(np.float32(spec.p0)), float(np.float32(spec.p1))  # op attrs are float32
 
     def u01(x):
-        return (x >> 11) * 2.0 ** -53
+        return (x >> 11) * 2.0**-53
 
     for i, key in enumerate(keys):
         base = mix64(stable_hash_py(key) ^ mix64(spec.seed & m))

@@ -13,5 +13,6 @@ def local_variable(initial, shape, trainable: bool, name: str):
     from tensorflow.python.ops import resource_variable_ops
 
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-    return resource_variable_ops.ResourceVariable(initial, shape=tf.TensorShape(shape), trainable=trainable,
-                                                  name=name, distribute_strategy=strategy)
+    return resource_variable_ops.ResourceVariable(
+        initial, shape=tf.TensorShape(shape), trainable=trainable, name=name, distribute_strategy=strategy
+    )

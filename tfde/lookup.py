@@ -21,6 +21,7 @@ COMBINERS = ("sum", "mean", "sqrtn")
 def _tape_recording() -> bool:
     try:
         from tensorflow.python.eager import record
+
         return bool(record.could_possibly_record())
     except (ImportError, AttributeError):  # pragma: no cover - private API moved
         return True
@@ -98,8 +99,14 @@ def _combine(rows, segment_ids, num_segments, weights, combiner):
     return tf.math.divide_no_nan(summed, denom[:, None])
 
 
-def embedding_lookup_sparse(var: Variable, sp_ids: tf.SparseTensor, sp_weights: Optional[tf.SparseTensor] = None,
-                            combiner: str = "mean", training: Optional[bool] = None, name: Optional[str] = None):
+def embedding_lookup_sparse(
+    var: Variable,
+    sp_ids: tf.SparseTensor,
+    sp_weights: Optional[tf.SparseTensor] = None,
+    combiner: str = "mean",
+    training: Optional[bool] = None,
+    name: Optional[str] = None,
+):
     """Combined rows per row of a 2-D SparseTensor of ids: ``[batch, dim]``.
 
     Rows with no ids give zeros.  sp_weights, when given, must have the same
@@ -119,9 +126,14 @@ def embedding_lookup_sparse(var: Variable, sp_ids: tf.SparseTensor, sp_weights: 
         return _combine(rows, segments, batch, weights, combiner)
 
 
-def embedding_lookup_ragged(var: Variable, ragged_ids: tf.RaggedTensor, combiner: Optional[str] = "mean",
-                            weights: Optional[tf.RaggedTensor] = None, training: Optional[bool] = None,
-                            name: Optional[str] = None):
+def embedding_lookup_ragged(
+    var: Variable,
+    ragged_ids: tf.RaggedTensor,
+    combiner: Optional[str] = "mean",
+    weights: Optional[tf.RaggedTensor] = None,
+    training: Optional[bool] = None,
+    name: Optional[str] = None,
+):
     """Rows of a RaggedTensor of ids.
 
     combiner=None returns the ragged rows (``ids.shape + [dim]``, ragged);
@@ -136,8 +148,9 @@ def embedding_lookup_ragged(var: Variable, ragged_ids: tf.RaggedTensor, combiner
         if combiner is None:
             return ragged_ids.with_flat_values(rows)
         if ragged_ids.ragged_rank != 1:
-            raise ShapeError("combining needs a 2-D ragged tensor [batch, (ids)]; got ragged_rank "
-                             f"{ragged_ids.ragged_rank}")
+            raise ShapeError(
+                f"combining needs a 2-D ragged tensor [batch, (ids)]; got ragged_rank {ragged_ids.ragged_rank}"
+            )
         segments = tf.cast(ragged_ids.value_rowids(), tf.int32)
         batch = tf.cast(ragged_ids.nrows(), tf.int32)
         w = None if weights is None else weights.flat_values

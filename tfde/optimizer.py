@@ -28,7 +28,7 @@ import tensorflow as tf
 from tfde import exchange as _exchange
 from tfde.errors import ConfigError, UnsupportedOptimizerError
 from tfde.flavour import flavour_fix, keras_flavour_name
-from tfde.optimizer_rules import RULES, SUPPORTED_NAMES, hp
+from tfde.optimizer_rules import RULES, hp
 from tfde.optimizer_rules import rule_for as _rule_for
 from tfde.saving import registered as _registered
 from tfde.variable import is_step_buffer
@@ -38,10 +38,12 @@ def _check_options(opt):
     if hp(opt, "use_ema", False):
         raise UnsupportedOptimizerError(
             "use_ema=True is not supported with tfde Variables (an EMA of a dynamic table would need a copy of "
-            "every row); create the optimizer with use_ema=False")
+            "every row); create the optimizer with use_ema=False"
+        )
     if hp(opt, "gradient_accumulation_steps", None):
         raise UnsupportedOptimizerError(
-            "gradient_accumulation_steps is not supported with tfde Variables; use a larger batch instead")
+            "gradient_accumulation_steps is not supported with tfde Variables; use a larger batch instead"
+        )
 
 
 def current_learning_rate(opt):
@@ -64,8 +66,10 @@ class _SparseGrad:
 # Optimizer config keys that only the other Keras writes, by the major
 # version of the Keras running: tf-keras (2) reading Keras 3's, and Keras 3
 # reading tf-keras's (DynamicEmbeddingMixin.from_config).
-_OTHER_KERAS_OPTIMIZER_KEYS = {2: frozenset({"loss_scale_factor", "gradient_accumulation_steps"}),
-                               3: frozenset({"is_legacy_optimizer", "jit_compile"})}
+_OTHER_KERAS_OPTIMIZER_KEYS = {
+    2: frozenset({"loss_scale_factor", "gradient_accumulation_steps"}),
+    3: frozenset({"is_legacy_optimizer", "jit_compile"}),
+}
 
 
 class DynamicEmbeddingMixin:
@@ -93,7 +97,8 @@ class DynamicEmbeddingMixin:
             raise ConfigError(
                 f"the config of optimizer {config.get('name')!r} was written by {keras_flavour_name(saved)} (it "
                 f"has {', '.join(sorted(other))}), but this process runs {keras_flavour_name(running)}; "
-                f"{flavour_fix(saved)}")
+                f"{flavour_fix(saved)}"
+            )
         return super().from_config(config, custom_objects=custom_objects)
 
     def build(self, var_list, *args, **kwargs):
@@ -184,7 +189,8 @@ class DynamicEmbeddingMixin:
         if ex.collective and hp(self, "global_clipnorm", None) is not None:
             raise UnsupportedOptimizerError(
                 "global_clipnorm is not supported in distributed training with tfde Variables yet; use "
-                "clipnorm or clipvalue")
+                "clipnorm or clipvalue"
+            )
         # Every worker's gradient reaches the owner of each key (tfde/exchange.py).
         unique, summed = ex.owner_gradients(var._keys_buffer.read_value(), indices, values)
         factor = ex.gradient_scale(self)
@@ -222,10 +228,10 @@ class DynamicEmbeddingMixin:
         clip = hp(self, "global_clipnorm", None)
         if clip is None:
             return None
-        rows_sq = [_sum_of_squares(tf.where(_finite_rows(p.grads), p.grads, tf.zeros_like(p.grads)))
-                   for p in prepared]
-        dense_sq = [_sum_of_squares(g.values if isinstance(g, tf.IndexedSlices) else g)
-                    for g, _ in dense if g is not None]
+        rows_sq = [_sum_of_squares(tf.where(_finite_rows(p.grads), p.grads, tf.zeros_like(p.grads))) for p in prepared]
+        dense_sq = [
+            _sum_of_squares(g.values if isinstance(g, tf.IndexedSlices) else g) for g, _ in dense if g is not None
+        ]
         if not rows_sq and not dense_sq:
             return None
         rows_total = tf.add_n(rows_sq) if rows_sq else tf.constant(0.0)
@@ -308,10 +314,14 @@ _classes = {}
 
 def _wrapped_class(base):
     if base not in _classes:
-        cls = type(base.__name__, (DynamicEmbeddingMixin, base), {
-            "__module__": base.__module__,
-            "__doc__": f"{base.__name__} that also trains tfde Variables (see tfde.DynamicEmbeddingOptimizer).",
-        })
+        cls = type(
+            base.__name__,
+            (DynamicEmbeddingMixin, base),
+            {
+                "__module__": base.__module__,
+                "__doc__": f"{base.__name__} that also trains tfde Variables (see tfde.DynamicEmbeddingOptimizer).",
+            },
+        )
         _classes[base] = _register_serializable(cls, base)
     return _classes[base]
 
@@ -363,7 +373,8 @@ def refuse_plain_optimizers(optimizers_module) -> None:
                     "it is not wrapped by tfde.DynamicEmbeddingOptimizer, which alone can update table rows. "
                     f"Compile with model.compile(optimizer=tfde.DynamicEmbeddingOptimizer("
                     f"tf.keras.optimizers.{name}(...)), ...) (model.compile() without an optimizer uses a plain "
-                    "RMSprop)" + "".join(f"; {hint}" for hint in _exchange.wrapping_hints()))
+                    "RMSprop)" + "".join(f"; {hint}" for hint in _exchange.wrapping_hints())
+                )
         return original(self, var_list, *args, **kwargs)
 
     build._tfde_checked = True

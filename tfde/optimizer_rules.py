@@ -130,8 +130,7 @@ def _ftrl(opt, w, g, s, lr, t):
 
 RULES = {
     "SGD": Rule("SGD", _sgd_slots, _sgd),
-    "Adagrad": Rule("Adagrad", lambda o: (("accumulator", float(hp(o, "initial_accumulator_value", 0.1))),),
-                    _adagrad),
+    "Adagrad": Rule("Adagrad", lambda o: (("accumulator", float(hp(o, "initial_accumulator_value", 0.1))),), _adagrad),
     "Adam": Rule("Adam", _adam_slots, _adam),
     "AdamW": Rule("AdamW", _adam_slots, _adam),  # decoupled weight decay is applied by the wrapper
     "RMSprop": Rule("RMSprop", _rmsprop_slots, _rmsprop),
@@ -146,10 +145,12 @@ def rule_for(opt) -> Rule:
     if ".legacy" in module:
         raise UnsupportedOptimizerError(
             f"{type(opt).__name__} from {module} is a legacy optimizer; use the non-legacy class "
-            f"(e.g. tf.keras.optimizers.{type(opt).__name__}). Supported: {', '.join(SUPPORTED_NAMES)}")
+            f"(e.g. tf.keras.optimizers.{type(opt).__name__}). Supported: {', '.join(SUPPORTED_NAMES)}"
+        )
     for cls in type(opt).__mro__:
         if cls.__name__ in RULES:
             return RULES[cls.__name__]
     raise UnsupportedOptimizerError(
         f"tfde cannot apply {type(opt).__name__} lazily to embedding rows. Supported optimizers (Keras 3 or "
-        f"tf-keras): {', '.join(SUPPORTED_NAMES)}.")
+        f"tf-keras): {', '.join(SUPPORTED_NAMES)}."
+    )

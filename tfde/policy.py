@@ -44,11 +44,10 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from tfde._defaults import CHUNK_ROWS
 from tfde import exchange
+from tfde._defaults import CHUNK_ROWS
 from tfde.errors import ConfigError
 from tfde.hashing import stable_hash
-
 
 
 class RestrictPolicy(abc.ABC):
@@ -67,7 +66,8 @@ class RestrictPolicy(abc.ABC):
             raise ConfigError(
                 f"this {type(self).__name__} already belongs to Variable {self.variable.name!r}; a policy keeps "
                 f"per-key state for one Variable: pass the class (restrict_policy=tfde.{type(self).__name__}) or "
-                f"one instance per Variable or layer (for {variable.name!r} too)")
+                f"one instance per Variable or layer (for {variable.name!r} too)"
+            )
         self.variable = variable
 
     def step_values(self, keys: tf.Tensor, step: tf.Tensor) -> dict:
@@ -154,13 +154,22 @@ class _ScoredPolicy(RestrictPolicy):
             scores.append(self.scores._find(chunk)[0].numpy()[:, 0])
             hashes.append(stable_hash(chunk).numpy().view(np.uint64))
         if not keys:
-            return (np.zeros([0], self.variable.key_dtype.as_numpy_dtype if self.variable.key_dtype != tf.string
-                             else object), np.zeros([0]), np.zeros([0], np.uint64))
+            return (
+                np.zeros(
+                    [0], self.variable.key_dtype.as_numpy_dtype if self.variable.key_dtype != tf.string else object
+                ),
+                np.zeros([0]),
+                np.zeros([0], np.uint64),
+            )
         return np.concatenate(keys), np.concatenate(scores), np.concatenate(hashes)
 
     def restrict(self, num_reserved: Optional[int] = None, trigger: Optional[int] = None) -> int:
-        if num_reserved is None or isinstance(num_reserved, bool) or not isinstance(num_reserved, int) \
-                or num_reserved < 0:
+        if (
+            num_reserved is None
+            or isinstance(num_reserved, bool)
+            or not isinstance(num_reserved, int)
+            or num_reserved < 0
+        ):
             raise ConfigError(f"num_reserved must be an int >= 0, got {num_reserved!r}")
         trigger = num_reserved if trigger is None else trigger
         view = _WorkerView(self.variable)
@@ -187,8 +196,9 @@ class _ScoredPolicy(RestrictPolicy):
     def _remove(self, keys: np.ndarray) -> int:
         removed = 0
         for start in range(0, len(keys), CHUNK_ROWS):
-            removed += int(self.variable.remove(tf.constant(keys[start:start + CHUNK_ROWS],
-                                                            dtype=self.variable.key_dtype)))
+            removed += int(
+                self.variable.remove(tf.constant(keys[start : start + CHUNK_ROWS], dtype=self.variable.key_dtype))
+            )
         return removed
 
 
@@ -246,8 +256,11 @@ class TTLPolicy(TimestampRestrictPolicy):
     def bind(self, variable) -> None:
         super().bind(variable)
         with tf.init_scope():
-            self._latest_step = tf.Variable(tf.constant(-1.0, tf.float64), trainable=False,
-                                            name=f"{variable.name.replace('/', '_')}_ttl_latest_step")
+            self._latest_step = tf.Variable(
+                tf.constant(-1.0, tf.float64),
+                trainable=False,
+                name=f"{variable.name.replace('/', '_')}_ttl_latest_step",
+            )
 
     def get_config(self):
         return {"ttl_steps": int(self.ttl)} if self.clock == "step" else {"ttl_s": self.ttl}
@@ -284,19 +297,25 @@ class AutoRestrictor:
       >>> for step, batch in enumerate(data): train_step(batch); auto.after_step(step + 1)
     """
 
-    def __init__(self, variables, every_n_steps: Optional[int] = None, max_size: Optional[int] = None,
-                 num_reserved: Optional[int] = None):
+    def __init__(
+        self,
+        variables,
+        every_n_steps: Optional[int] = None,
+        max_size: Optional[int] = None,
+        num_reserved: Optional[int] = None,
+    ):
         self.variables = list(variables)
         if every_n_steps is None and max_size is None:
             raise ConfigError("AutoRestrictor needs every_n_steps=, max_size= or both")
-        for name, value in (("every_n_steps", every_n_steps), ("max_size", max_size),
-                            ("num_reserved", num_reserved)):
+        for name, value in (("every_n_steps", every_n_steps), ("max_size", max_size), ("num_reserved", num_reserved)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
         for v in self.variables:
             if v.restrict_policy is None:
-                raise ConfigError(f"Variable {v.name!r} has no restrict_policy; create it with one, e.g. "
-                                  "restrict_policy=tfde.FrequencyRestrictPolicy")
+                raise ConfigError(
+                    f"Variable {v.name!r} has no restrict_policy; create it with one, e.g. "
+                    "restrict_policy=tfde.FrequencyRestrictPolicy"
+                )
         self.every_n_steps, self.max_size = every_n_steps, max_size
         self.num_reserved = num_reserved if num_reserved is not None else max_size
         if self.num_reserved is None and any(not isinstance(v.restrict_policy, TTLPolicy) for v in self.variables):

@@ -38,13 +38,19 @@ from tfde import _native
 from tfde import exchange as _exchange
 from tfde import initializers as _init
 from tfde.changes import ChangeLog
-from tfde.local import local_variable
 from tfde.errors import ConfigError, ShapeError
 from tfde.hashing import shard_index
-from tfde.tables.base import (DEFAULT_EXPORT_CHUNK_ROWS, TableCreator, as_keys, check_dtypes, check_same_count, int_arg,
-                              key_tensor)
+from tfde.local import local_variable
+from tfde.tables.base import (
+    DEFAULT_EXPORT_CHUNK_ROWS,
+    TableCreator,
+    as_keys,
+    check_dtypes,
+    check_same_count,
+    int_arg,
+    key_tensor,
+)
 from tfde.tables.cuckoo import CuckooTableCreator
-
 
 _SECTION_IDS = itertools.count()
 
@@ -90,10 +96,21 @@ class Variable(tf.Module):
     # (a broadcast of model.variables to the workers cannot carry strings).
     _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_keys_buffer", "_strategy", "_serving"}
 
-    def __init__(self, name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1,
-                 initializer=None, seed: Optional[int] = None, num_shards: int = 1,
-                 table_creator: Optional[TableCreator] = None, restrict_policy=None,
-                 admission_filter=None, trainable: bool = True, track_changes: bool = False):
+    def __init__(
+        self,
+        name: str,
+        key_dtype=tf.int64,
+        value_dtype=tf.float32,
+        dim: int = 1,
+        initializer=None,
+        seed: Optional[int] = None,
+        num_shards: int = 1,
+        table_creator: Optional[TableCreator] = None,
+        restrict_policy=None,
+        admission_filter=None,
+        trainable: bool = True,
+        track_changes: bool = False,
+    ):
         if not isinstance(name, str) or not name:
             raise ConfigError(f"a Variable needs a non-empty string name, got {name!r}")
         super().__init__(name=_module_name(name))
@@ -115,15 +132,19 @@ class Variable(tf.Module):
         self._strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
         self._serving = None  # the tables lookups read instead, within serving_from()
         with tf.init_scope():
-            self._tables = [self.table_creator.create(self._table_name(i), self.key_dtype, self.value_dtype, dim)
-                            for i in range(num_shards)]
+            self._tables = [
+                self.table_creator.create(self._table_name(i), self.key_dtype, self.value_dtype, dim)
+                for i in range(num_shards)
+            ]
             if self.trainable:
                 # Not mirrored by a strategy in scope: the step buffer
                 # belongs to this process (tfde/local.py).
-                self._rows_buffer = local_variable(tf.zeros([0, dim], self.value_dtype), [None, dim],
-                                                   True, f"{self.name}/step_rows")
-                self._keys_buffer = local_variable(tf.zeros([0], self.key_dtype), [None], False,
-                                                   f"{self.name}/step_keys")
+                self._rows_buffer = local_variable(
+                    tf.zeros([0, dim], self.value_dtype), [None, dim], True, f"{self.name}/step_rows"
+                )
+                self._keys_buffer = local_variable(
+                    tf.zeros([0], self.key_dtype), [None], False, f"{self.name}/step_keys"
+                )
                 self._rows_buffer._tfde_variable = self  # how the optimizer finds its way back
         self._slots = {}
         self.restrict_policy = None
@@ -140,7 +161,8 @@ class Variable(tf.Module):
             # eager mode all share one mutex, and two of them in one step
             # deadlock (the second lock can be taken first).
             self._write_section = tf.CriticalSection(
-                name=f"{self.name}_writes", shared_name=f"tfde_writes_{next(_SECTION_IDS)}_{self.name}")
+                name=f"{self.name}_writes", shared_name=f"tfde_writes_{next(_SECTION_IDS)}_{self.name}"
+            )
         self.changes = None
         if track_changes:
             self.changes = ChangeLog(self)
@@ -176,8 +198,10 @@ class Variable(tf.Module):
         this way against the tables its SavedModel holds."""
         tables = list(tables)
         if len(tables) not in (1, self.num_shards):
-            raise ConfigError(f"Variable {self.name!r} has {self.num_shards} shards; serve it from 1 table or "
-                              f"{self.num_shards}, got {len(tables)}")
+            raise ConfigError(
+                f"Variable {self.name!r} has {self.num_shards} shards; serve it from 1 table or "
+                f"{self.num_shards}, got {len(tables)}"
+            )
         if self._serving is not None:
             raise ConfigError(f"Variable {self.name!r} is being served from other tables already")
         self._serving = tables
@@ -191,8 +215,10 @@ class Variable(tf.Module):
 
     def _write_tables(self) -> list:
         if self._serving is not None:
-            raise ConfigError(f"Variable {self.name!r} is read-only while it is served from other tables "
-                              "(Variable.serving_from): a serving export traces lookups only")
+            raise ConfigError(
+                f"Variable {self.name!r} is read-only while it is served from other tables "
+                "(Variable.serving_from): a serving export traces lookups only"
+            )
         return self._tables
 
     @property
@@ -203,8 +229,10 @@ class Variable(tf.Module):
         return self._rows_buffer
 
     def __repr__(self):
-        return (f"tfde.Variable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}], "
-                f"shards={self.num_shards}, store={type(self._tables[0]).__name__})")
+        return (
+            f"tfde.Variable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}], "
+            f"shards={self.num_shards}, store={type(self._tables[0]).__name__})"
+        )
 
     # ------------------------------------------------------------ routing
 
@@ -266,14 +294,22 @@ class Variable(tf.Module):
             # Refused rather than broadcast: a scalar given for rows is more
             # often a mistake (a row, or the keys, missing) than a wish to
             # fill every row with one number, and refusing changes nothing.
-            raise ShapeError(f"{what} for {self.name!r} are a scalar; expected shape keys.shape + [{self.dim}] "
-                             f"(one row of {self.dim} values per key). A scalar is not broadcast: to give every "
-                             f"key the same row pass e.g. tf.fill(tf.concat([tf.shape(keys), [{self.dim}]], 0), "
-                             "value)")
-        if values.shape.rank is not None and values.shape.rank >= 1 and values.shape[-1] is not None \
-                and values.shape[-1] != self.dim:
-            raise ShapeError(f"{what} for {self.name!r} have last dimension {values.shape[-1]}, but the Variable "
-                             f"holds rows of dim {self.dim}; expected shape keys.shape + [{self.dim}]")
+            raise ShapeError(
+                f"{what} for {self.name!r} are a scalar; expected shape keys.shape + [{self.dim}] "
+                f"(one row of {self.dim} values per key). A scalar is not broadcast: to give every "
+                f"key the same row pass e.g. tf.fill(tf.concat([tf.shape(keys), [{self.dim}]], 0), "
+                "value)"
+            )
+        if (
+            values.shape.rank is not None
+            and values.shape.rank >= 1
+            and values.shape[-1] is not None
+            and values.shape[-1] != self.dim
+        ):
+            raise ShapeError(
+                f"{what} for {self.name!r} have last dimension {values.shape[-1]}, but the Variable "
+                f"holds rows of dim {self.dim}; expected shape keys.shape + [{self.dim}]"
+            )
         if values.shape.rank == 2 and values.shape[-1] == self.dim:  # already [n, dim]: no op needed
             return values
         if values.shape.rank is None or values.shape[-1] is None:
@@ -282,8 +318,14 @@ class Variable(tf.Module):
             # all for no keys), so the width is checked when the graph runs.
             shape = tf.shape(values)
             fits = (tf.size(shape) >= 1) & tf.reduce_all(tf.equal(shape[-1:], self.dim))
-            check = tf.debugging.Assert(fits, [f"tfde: {what} for {self.name} must have shape keys.shape + "
-                                               f"[{self.dim}] (rows of dim {self.dim}); got shape", shape])
+            check = tf.debugging.Assert(
+                fits,
+                [
+                    f"tfde: {what} for {self.name} must have shape keys.shape + "
+                    f"[{self.dim}] (rows of dim {self.dim}); got shape",
+                    shape,
+                ],
+            )
             with tf.control_dependencies([check]):
                 values = tf.identity(values)
         return tf.reshape(values, [-1, self.dim])
@@ -436,13 +478,14 @@ class Variable(tf.Module):
 
     def _check_count(self, flat, rows):
         if flat.shape[0] is not None and rows.shape[0] is not None and flat.shape[0] != rows.shape[0]:
-            raise ShapeError(f"{flat.shape[0]} keys but {rows.shape[0]} rows for {self.name!r}; "
-                             f"values must have shape keys.shape + [{self.dim}]")
+            raise ShapeError(
+                f"{flat.shape[0]} keys but {rows.shape[0]} rows for {self.name!r}; "
+                f"values must have shape keys.shape + [{self.dim}]"
+            )
 
     # ------------------------------------------------------------ slots
 
-    def slot(self, slot_name: str, initial_value: float, dim: Optional[int] = None,
-             value_dtype=None) -> "Variable":
+    def slot(self, slot_name: str, initial_value: float, dim: Optional[int] = None, value_dtype=None) -> "Variable":
         """The slot `slot_name` (optimizer state, policy state): a Variable of
         the same key dtype, sharding and backend (and, unless given, dim and
         value dtype) whose missing rows read `initial_value`.  Created on
@@ -450,10 +493,15 @@ class Variable(tf.Module):
         if slot_name not in self._slots:
             with tf.init_scope():
                 self._slots[slot_name] = Variable(
-                    f"{self._full_name}-{slot_name}", key_dtype=self.key_dtype,
-                    value_dtype=value_dtype or self.value_dtype, dim=dim or self.dim,
-                    initializer=float(initial_value), num_shards=self.num_shards,
-                    table_creator=self.table_creator, trainable=False)
+                    f"{self._full_name}-{slot_name}",
+                    key_dtype=self.key_dtype,
+                    value_dtype=value_dtype or self.value_dtype,
+                    dim=dim or self.dim,
+                    initializer=float(initial_value),
+                    num_shards=self.num_shards,
+                    table_creator=self.table_creator,
+                    trainable=False,
+                )
         return self._slots[slot_name]
 
     def _write_step(self, keys, rows, others) -> list:
@@ -468,17 +516,22 @@ class Variable(tf.Module):
         others = list(others.items())
         for slot, _ in others:
             if slot.num_shards != self.num_shards or slot.key_dtype != self.key_dtype:
-                raise ConfigError(f"{slot.name!r} cannot be written with {self.name!r} in one step: it has "
-                                  f"{slot.num_shards} shards of {slot.key_dtype.name} keys, {self.name!r} has "
-                                  f"{self.num_shards} of {self.key_dtype.name}; make it with {self.name!r}.slot()")
+                raise ConfigError(
+                    f"{slot.name!r} cannot be written with {self.name!r} in one step: it has "
+                    f"{slot.num_shards} shards of {slot.key_dtype.name} keys, {self.name!r} has "
+                    f"{self.num_shards} of {self.key_dtype.name}; make it with {self.name!r}.slot()"
+                )
         tables = self._write_tables()
         if self.num_shards == 1:
             return tables[0].insert_with(keys, rows, [(s._tables[0], v) for s, v in others])
         parts, pos = self._split(keys)
         ops = []
         for i, table in enumerate(tables):
-            ops.extend(table.insert_with(parts[i], tf.gather(rows, pos[i]),
-                                         [(s._tables[i], tf.gather(v, pos[i])) for s, v in others]))
+            ops.extend(
+                table.insert_with(
+                    parts[i], tf.gather(rows, pos[i]), [(s._tables[i], tf.gather(v, pos[i])) for s, v in others]
+                )
+            )
         return ops
 
     def _step_state(self, keys, step) -> dict:
@@ -511,8 +564,10 @@ class Variable(tf.Module):
         """Applies the restrict policy: see tfde.policy.  Returns the number
         of keys removed (rows, optimizer slots and policy state alike)."""
         if self.restrict_policy is None:
-            raise ConfigError(f"Variable {self.name!r} has no restrict_policy; create it with one, e.g. "
-                              "restrict_policy=tfde.FrequencyRestrictPolicy")
+            raise ConfigError(
+                f"Variable {self.name!r} has no restrict_policy; create it with one, e.g. "
+                "restrict_policy=tfde.FrequencyRestrictPolicy"
+            )
         return self.restrict_policy.restrict(num_reserved, trigger)
 
     @property
@@ -536,7 +591,7 @@ class Variable(tf.Module):
         return tf.gather(found, positions if mine is None else tf.gather(mine, positions))
 
     def _unpack(self, packed):
-        return packed[:, :self.dim], packed[:, self.dim] > 0
+        return packed[:, : self.dim], packed[:, self.dim] > 0
 
     def _reader(self):
         """flat keys -> (rows, exists) for a plain (non-training) read.
@@ -583,7 +638,8 @@ class Variable(tf.Module):
             f"({type(self._tables[0]).__name__}) are each worker's own: a worker holds only the keys it owns, so "
             "this read cannot see the rows the other workers hold. Use a store all workers share "
             "(table_creator=tfde.RedisTableCreator(...)) for this Variable, or read inside the training step or "
-            "strategy.run (model.fit, model.evaluate and model.predict do); see docs/lookups.md")
+            "strategy.run (model.fit, model.evaluate and model.predict do); see docs/lookups.md"
+        )
 
     def _read_unique(self, unique_keys):
         """Rows of deduplicated keys for a plain (non-training) read."""
@@ -607,8 +663,10 @@ class Variable(tf.Module):
         return tf.raw_ops.VariableShape(input=self._rows_buffer.handle, out_type=tf.int32)[0]
 
     def _reset_step_buffer(self):
-        return tf.group(self._rows_buffer.assign(tf.zeros([0, self.dim], self.value_dtype)),
-                        self._keys_buffer.assign(tf.zeros([0], self.key_dtype)))
+        return tf.group(
+            self._rows_buffer.assign(tf.zeros([0, self.dim], self.value_dtype)),
+            self._keys_buffer.assign(tf.zeros([0], self.key_dtype)),
+        )
 
 
 def is_step_buffer(var) -> bool:
@@ -647,7 +705,8 @@ def model_variables(model) -> list:
     return found
 
 
-def get_variable(name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1, initializer=None,
-                 **kwargs) -> Variable:
+def get_variable(
+    name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1, initializer=None, **kwargs
+) -> Variable:
     """Creates a tfde.Variable (TFRA-style spelling of the constructor)."""
     return Variable(name, key_dtype=key_dtype, value_dtype=value_dtype, dim=dim, initializer=initializer, **kwargs)

@@ -83,15 +83,14 @@ struct KeyTraits<std::string> {
 // ParallelFor(total, cost_per_unit_ns, work): calls work(begin, end) over
 // disjoint ranges covering [0, total), possibly on several threads, and
 // returns when all are done.  The kernels pass TF's intra-op pool.
-using ParallelFor =
-    std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)>;
+using ParallelFor = std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)>;
 inline void SerialFor(int64_t total, int64_t, const std::function<void(int64_t, int64_t)>& work) {
   if (total > 0) work(0, total);
 }
 
 // Tunables.
-constexpr int kSlotsPerBucket = 5;          // 5 hashes + 5 row ids: one 64-byte line
-constexpr int kShardBits = 6;               // 64 shards per table
+constexpr int kSlotsPerBucket = 5;  // 5 hashes + 5 row ids: one 64-byte line
+constexpr int kShardBits = 6;       // 64 shards per table
 constexpr int kNumShards = 1 << kShardBits;
 constexpr double kMaxLoadFactor = 0.90;     // grow a shard before it gets fuller
 constexpr int kMaxKicks = 256;              // random-walk length before a forced grow
@@ -99,10 +98,10 @@ constexpr int64_t kMinBucketsPerShard = 4;  // 20 slots: an empty table is small
 constexpr int kFirstChunkLog2 = 6;          // an unsized shard's first chunk: 64 rows
 constexpr uint32_t kEmptyRow = 0xFFFFFFFFu;
 constexpr int64_t kMaxRowsPerShard = 0xFFFFFFF0LL;  // row ids are uint32
-constexpr int kPrefetchDistance = 8;        // pipeline stage distance: buckets fetched 2x, rows 1x this far ahead
-constexpr int64_t kMinKeysPerGroup = 4096;  // a write batch uses one worker per this many keys...
-constexpr int64_t kMaxGroups = 16;          // ...and at most this many workers
-constexpr int64_t kMaxBatch = 0xFFFFFFF0LL; // key indices are uint32 inside a batch
+constexpr int kPrefetchDistance = 8;         // pipeline stage distance: buckets fetched 2x, rows 1x this far ahead
+constexpr int64_t kMinKeysPerGroup = 4096;   // a write batch uses one worker per this many keys...
+constexpr int64_t kMaxGroups = 16;           // ...and at most this many workers
+constexpr int64_t kMaxBatch = 0xFFFFFFF0LL;  // key indices are uint32 inside a batch
 constexpr int64_t kHugePageBytes = 2 << 20;
 // Arena chunks at least this big use transparent huge pages.  Below it the
 // RSS slack of a partly used huge page would matter more than the faults saved.
@@ -152,9 +151,13 @@ struct HugePageAllocator {
   }
   void deallocate(T* p, size_t) { std::free(p); }
   template <class U>
-  bool operator==(const HugePageAllocator<U>&) const { return true; }
+  bool operator==(const HugePageAllocator<U>&) const {
+    return true;
+  }
   template <class U>
-  bool operator!=(const HugePageAllocator<U>&) const { return false; }
+  bool operator!=(const HugePageAllocator<U>&) const {
+    return false;
+  }
 };
 template <class T>
 using BigVector = std::vector<T, HugePageAllocator<T>>;
@@ -389,8 +392,7 @@ class CuckooShard {
   }
   static int64_t BucketsFor(int64_t rows) {
     int64_t b = kMinBucketsPerShard;
-    while (static_cast<double>(b) * kSlotsPerBucket * kMaxLoadFactor < static_cast<double>(rows))
-      b <<= 1;
+    while (static_cast<double>(b) * kSlotsPerBucket * kMaxLoadFactor < static_cast<double>(rows)) b <<= 1;
     return b;
   }
   double capacity() const { return static_cast<double>(buckets_.size()) * kSlotsPerBucket; }
@@ -550,17 +552,17 @@ class CuckooShard {
     chunks_.clear();
   }
 
-  const int64_t key_bytes_;    // sizeof(K) for int keys (kept in the chunks), else 0
-  const int64_t stride_;       // bytes between consecutive rows in a chunk
-  const int first_chunk_log2_; // arena chunk c holds 2^(first_chunk_log2_ + c) rows
-  BigVector<Bucket> buckets_;  // size is a power of two; mask_ = size - 1
+  const int64_t key_bytes_;     // sizeof(K) for int keys (kept in the chunks), else 0
+  const int64_t stride_;        // bytes between consecutive rows in a chunk
+  const int first_chunk_log2_;  // arena chunk c holds 2^(first_chunk_log2_ + c) rows
+  BigVector<Bucket> buckets_;   // size is a power of two; mask_ = size - 1
   int64_t mask_ = 0;
-  std::vector<char*> chunks_;      // see ChunkRows / ChunkBytes
-  std::vector<std::string> side_keys_;  // string keys, indexed by row id
-  std::vector<uint64_t> live_;     // bit per row id: 1 while the row holds a key
-  std::vector<uint32_t> free_rows_;  // removed row ids, reused first
-  int64_t next_row_ = 0;           // row ids below this have been handed out
-  int64_t size_ = 0;               // live rows == occupied slots
+  std::vector<char*> chunks_;                    // see ChunkRows / ChunkBytes
+  std::vector<std::string> side_keys_;           // string keys, indexed by row id
+  std::vector<uint64_t> live_;                   // bit per row id: 1 while the row holds a key
+  std::vector<uint32_t> free_rows_;              // removed row ids, reused first
+  int64_t next_row_ = 0;                         // row ids below this have been handed out
+  int64_t size_ = 0;                             // live rows == occupied slots
   uint64_t walk_state_ = 0x853C49E6748FEA9BULL;  // LCG for cuckoo kicks
 };
 

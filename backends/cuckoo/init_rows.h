@@ -79,8 +79,7 @@ void FillInitialRow(const InitSpec& spec, uint64_t key_hash, int64_t dim, V* out
         out[j] = static_cast<V>(spec.p0 + (spec.p1 - spec.p0) * Uniform01(Draw(base, j, 0)));
       return;
     case InitKind::kNormal:
-      for (int64_t j = 0; j < dim; ++j)
-        out[j] = static_cast<V>(spec.p0 + spec.p1 * StandardNormal(base, j, 0));
+      for (int64_t j = 0; j < dim; ++j) out[j] = static_cast<V>(spec.p0 + spec.p1 * StandardNormal(base, j, 0));
       return;
     case InitKind::kTruncatedNormal:
       for (int64_t j = 0; j < dim; ++j) {

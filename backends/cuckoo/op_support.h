@@ -35,10 +35,18 @@ inline ::absl::Status CheckDimAttr(int64_t dim) {
 template <class Body>
 ::absl::Status WithValueType(DataType dtype, Body body) {
   switch (dtype) {
-    case ::tensorflow::DT_FLOAT: body(float{}); return ::absl::OkStatus();
-    case ::tensorflow::DT_DOUBLE: body(double{}); return ::absl::OkStatus();
-    case ::tensorflow::DT_HALF: body(Eigen::half{}); return ::absl::OkStatus();
-    case ::tensorflow::DT_BFLOAT16: body(::tensorflow::bfloat16{}); return ::absl::OkStatus();
+    case ::tensorflow::DT_FLOAT:
+      body(float{});
+      return ::absl::OkStatus();
+    case ::tensorflow::DT_DOUBLE:
+      body(double{});
+      return ::absl::OkStatus();
+    case ::tensorflow::DT_HALF:
+      body(Eigen::half{});
+      return ::absl::OkStatus();
+    case ::tensorflow::DT_BFLOAT16:
+      body(::tensorflow::bfloat16{});
+      return ::absl::OkStatus();
     default:
       return errors::InvalidArgument("tfde tables hold float32, float64, float16 or bfloat16 values, not ",
                                      DataTypeString(dtype));

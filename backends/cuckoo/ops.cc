@@ -51,8 +51,8 @@ class TableResource : public ::tensorflow::ResourceBase {
   int64_t dim() const { return dim_; }
   int64_t value_bytes() const { return value_bytes_; }
   std::string Describe() const {
-    return "cuckoo table " + DataTypeString(key_dtype_) + " -> " + DataTypeString(value_dtype_) +
-           "[" + std::to_string(dim_) + "]";
+    return "cuckoo table " + DataTypeString(key_dtype_) + " -> " + DataTypeString(value_dtype_) + "[" +
+           std::to_string(dim_) + "]";
   }
   std::string DebugString() const override { return Describe(); }
 
@@ -130,18 +130,18 @@ ParallelFor PoolOf(OpKernelContext* ctx) {
 // tf.errors.ResourceExhaustedError, its base class).  Any other error of the
 // core is a bad argument.
 constexpr char kCapacityPrefix[] = "tfde.CapacityError: ";
-#define TFDE_CATCH(ctx, op_name)                                                                      \
-  catch (const CapacityError& e) {                                                                 \
-    (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": ", e.what()));         \
-  }                                                                                                \
-  catch (const std::bad_alloc&) {                                                                  \
-    (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": out of memory"));      \
-  }                                                                                                \
-  catch (const std::length_error& e) {                                                             \
+#define TFDE_CATCH(ctx, op_name)                                                                                \
+  catch (const CapacityError& e) {                                                                              \
+    (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": ", e.what()));                     \
+  }                                                                                                             \
+  catch (const std::bad_alloc&) {                                                                               \
+    (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": out of memory"));                  \
+  }                                                                                                             \
+  catch (const std::length_error& e) {                                                                          \
     (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": out of memory (", e.what(), ")")); \
-  }                                                                                                \
-  catch (const std::exception& e) {                                                                \
-    (ctx)->CtxFailure(errors::InvalidArgument(op_name, ": ", e.what()));                            \
+  }                                                                                                             \
+  catch (const std::exception& e) {                                                                             \
+    (ctx)->CtxFailure(errors::InvalidArgument(op_name, ": ", e.what()));                                        \
   }
 
 // ---------------------------------------------------------------- create
@@ -155,25 +155,22 @@ class CreateTableOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("expected_rows", &expected_rows_));
     OP_REQUIRES(ctx, dim_ >= 1 && dim_ <= kMaxDim,
                 errors::InvalidArgument("dim must be between 1 and ", kMaxDim, ", got ", dim_));
-    OP_REQUIRES(ctx, expected_rows_ >= 0,
-                errors::InvalidArgument("expected_rows must be >= 0, got ", expected_rows_));
+    OP_REQUIRES(ctx, expected_rows_ >= 0, errors::InvalidArgument("expected_rows must be >= 0, got ", expected_rows_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::ContainerInfo cinfo;
     OP_REQUIRES_OK(ctx, cinfo.Init(ctx->resource_manager(), def(), /*use_node_name_as_default=*/true));
     TableResource* table = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->resource_manager()->LookupOrCreate<TableResource>(
-                            cinfo.container(), cinfo.name(), &table, [this](TableResource** out) {
-                              return Create(out);
-                            }));
+    OP_REQUIRES_OK(ctx,
+                   ctx->resource_manager()->LookupOrCreate<TableResource>(
+                       cinfo.container(), cinfo.name(), &table, [this](TableResource** out) { return Create(out); }));
     ::tensorflow::core::ScopedUnref unref(table);
-    OP_REQUIRES(ctx,
-                table->key_dtype() == key_dtype_ && table->value_dtype() == value_dtype_ && table->dim() == dim_,
-                errors::InvalidArgument("table '", cinfo.name(), "' already exists as a ", table->Describe(),
-                                        "; asked for ", DataTypeString(key_dtype_), " -> ",
-                                        DataTypeString(value_dtype_), "[", dim_,
-                                        "]. Use another name or the same dtypes and dim."));
+    OP_REQUIRES(
+        ctx, table->key_dtype() == key_dtype_ && table->value_dtype() == value_dtype_ && table->dim() == dim_,
+        errors::InvalidArgument("table '", cinfo.name(), "' already exists as a ", table->Describe(), "; asked for ",
+                                DataTypeString(key_dtype_), " -> ", DataTypeString(value_dtype_), "[", dim_,
+                                "]. Use another name or the same dtypes and dim."));
     Tensor* handle = nullptr;
     ::tensorflow::AllocatorAttributes attr;
     attr.set_on_host(true);
@@ -228,7 +225,6 @@ TableResource* ResolveAny(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<
   return raw;
 }
 
-
 // Resolves input 0 to a table whose key dtype is TK; checks `keys` (input 1)
 // is a vector and, when the op has a Tvalue attr, that it matches the table.
 template <class TK>
@@ -243,9 +239,7 @@ class TableOpBase : public OpKernel {
   }
 
  protected:
-  static bool HasNodeAttr(const ::tensorflow::NodeDef& def, const char* name) {
-    return def.attr().count(name) > 0;
-  }
+  static bool HasNodeAttr(const ::tensorflow::NodeDef& def, const char* name) { return def.attr().count(name) > 0; }
 
   // Returns nullptr (and fails ctx) when the handle or dtypes are wrong.
   TypedTable<K>* Resolve(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<TableResource>* holder) {
@@ -259,8 +253,8 @@ class TableOpBase : public OpKernel {
       return nullptr;
     }
     if (value_dtype_ != ::tensorflow::DT_INVALID && raw->value_dtype() != value_dtype_) {
-      ctx->CtxFailure(errors::InvalidArgument("values are ", DataTypeString(value_dtype_),
-                                              " but the table is a ", raw->Describe()));
+      ctx->CtxFailure(errors::InvalidArgument("values are ", DataTypeString(value_dtype_), " but the table is a ",
+                                              raw->Describe()));
       return nullptr;
     }
     // Graphs take the outputs' static shape from the dim attr: one that is
@@ -286,8 +280,7 @@ class TableOpBase : public OpKernel {
                         const TableResource& table) {
     if (rows.dims() != 2 || rows.dim_size(0) != n || rows.dim_size(1) != table.dim()) {
       ctx->CtxFailure(errors::InvalidArgument(what, " must have shape [", n, ", ", table.dim(), "] for ", n,
-                                              " keys and a ", table.Describe(), ", got ",
-                                              rows.shape().DebugString()));
+                                              " keys and a ", table.Describe(), ", got ", rows.shape().DebugString()));
       return false;
     }
     return true;
@@ -328,21 +321,21 @@ class FindOp : public TableOpBase<TK> {
     KeyViews<TK> views(keys);
     const bool streaming = n * vb >= kStreamingCopyBytes;
     OP_REQUIRES_OK(ctx, WithValueType(table->value_dtype(), [&](auto v) {
-      using V = decltype(v);
-      try {
-        table->core.Find(
-            views.data, n, PoolOf(ctx),
-            [&](int64_t i, const char* row) {
-              CopyRow(out + i * vb, row, vb, streaming);
-              ex[i] = true;
-            },
-            [&](int64_t i, uint64_t hash) {
-              missing.template Fill<V>(i, hash, dim, out + i * vb);
-              ex[i] = false;
-            });
-      }
-      TFDE_CATCH(ctx, "find")
-    }));
+                     using V = decltype(v);
+                     try {
+                       table->core.Find(
+                           views.data, n, PoolOf(ctx),
+                           [&](int64_t i, const char* row) {
+                             CopyRow(out + i * vb, row, vb, streaming);
+                             ex[i] = true;
+                           },
+                           [&](int64_t i, uint64_t hash) {
+                             missing.template Fill<V>(i, hash, dim, out + i * vb);
+                             ex[i] = false;
+                           });
+                     }
+                     TFDE_CATCH(ctx, "find")
+                   }));
   }
 
  private:
@@ -399,20 +392,22 @@ class AccumOp : public TableOpBase<TK> {
     const int64_t dim = table->dim();
     KeyViews<TK> views(keys);
     OP_REQUIRES_OK(ctx, WithValueType(table->value_dtype(), [&](auto v) {
-      using V = decltype(v);
-      // half and bfloat16 add in float; float and double in their own type.
-      using Acc = std::conditional_t<std::is_same_v<V, double>, double, float>;
-      const V* delta = reinterpret_cast<const V*>(deltas.tensor_data().data());
-      try {
-        table->core.Upsert(views.data, n, PoolOf(ctx), [&](int64_t i, char* row, bool created, uint64_t hash) {
-          if (created) missing.template Fill<V>(i, hash, dim, row);
-          V* r = reinterpret_cast<V*>(row);
-          const V* d = delta + i * dim;
-          for (int64_t j = 0; j < dim; ++j) r[j] = static_cast<V>(static_cast<Acc>(r[j]) + static_cast<Acc>(d[j]));
-        });
-      }
-      TFDE_CATCH(ctx, "accum")
-    }));
+                     using V = decltype(v);
+                     // half and bfloat16 add in float; float and double in their own type.
+                     using Acc = std::conditional_t<std::is_same_v<V, double>, double, float>;
+                     const V* delta = reinterpret_cast<const V*>(deltas.tensor_data().data());
+                     try {
+                       table->core.Upsert(views.data, n, PoolOf(ctx),
+                                          [&](int64_t i, char* row, bool created, uint64_t hash) {
+                                            if (created) missing.template Fill<V>(i, hash, dim, row);
+                                            V* r = reinterpret_cast<V*>(row);
+                                            const V* d = delta + i * dim;
+                                            for (int64_t j = 0; j < dim; ++j)
+                                              r[j] = static_cast<V>(static_cast<Acc>(r[j]) + static_cast<Acc>(d[j]));
+                                          });
+                     }
+                     TFDE_CATCH(ctx, "accum")
+                   }));
   }
 
  private:
@@ -447,9 +442,15 @@ class RemoveOp : public TableOpBase<TK> {
 template <class Fn>
 void WithTypedTable(TableResource* t, Fn fn) {
   switch (t->key_dtype()) {
-    case ::tensorflow::DT_INT64: fn(static_cast<TypedTable<int64_t>*>(t)); break;
-    case ::tensorflow::DT_INT32: fn(static_cast<TypedTable<int32_t>*>(t)); break;
-    default: fn(static_cast<TypedTable<std::string>*>(t)); break;
+    case ::tensorflow::DT_INT64:
+      fn(static_cast<TypedTable<int64_t>*>(t));
+      break;
+    case ::tensorflow::DT_INT32:
+      fn(static_cast<TypedTable<int32_t>*>(t));
+      break;
+    default:
+      fn(static_cast<TypedTable<std::string>*>(t));
+      break;
   }
 }
 
@@ -597,18 +598,18 @@ class InitRowsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out));
     auto in = keys.flat<TK>();
     OP_REQUIRES_OK(ctx, WithValueType(value_dtype_, [&](auto v) {
-      using V = decltype(v);
-      V* o = reinterpret_cast<V*>(const_cast<char*>(out->tensor_data().data()));
-      for (int64_t i = 0; i < n; ++i) {
-        uint64_t h;
-        if constexpr (std::is_same_v<TK, tstring>) {
-          h = StableHash(std::string_view(in(i).data(), in(i).size()));
-        } else {
-          h = StableHash(in(i));
-        }
-        FillInitialRow<V>(spec_, h, dim_, o + i * dim_);
-      }
-    }));
+                     using V = decltype(v);
+                     V* o = reinterpret_cast<V*>(const_cast<char*>(out->tensor_data().data()));
+                     for (int64_t i = 0; i < n; ++i) {
+                       uint64_t h;
+                       if constexpr (std::is_same_v<TK, tstring>) {
+                         h = StableHash(std::string_view(in(i).data(), in(i).size()));
+                       } else {
+                         h = StableHash(in(i));
+                       }
+                       FillInitialRow<V>(spec_, h, dim_, o + i * dim_);
+                     }
+                   }));
   }
 
  private:
@@ -642,10 +643,10 @@ using ::tensorflow::shape_inference::InferenceContext;
   return ::absl::OkStatus();
 }
 
-#define TFDE_INIT_ATTRS                                                                              \
+#define TFDE_INIT_ATTRS                                                                             \
   Attr("init_kind: {'defaults', 'constant', 'uniform', 'normal', 'truncated_normal'} = 'defaults'") \
-      .Attr("init_p0: float = 0.0")                                                                  \
-      .Attr("init_p1: float = 0.0")                                                                  \
+      .Attr("init_p0: float = 0.0")                                                                 \
+      .Attr("init_p1: float = 0.0")                                                                 \
       .Attr("init_seed: int = 0")
 
 REGISTER_OP("TfdeCuckooTable")
@@ -668,8 +669,7 @@ REGISTER_OP("TfdeTableFind")
     .Attr("Tkey: {int32, int64, string}")
     .Attr("Tvalue: {float, double, half, bfloat16}")
     .Attr("dim: int")
-    .TFDE_INIT_ATTRS
-    .SetShapeFn([](InferenceContext* c) {
+    .TFDE_INIT_ATTRS.SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(RowsShape(c, 1, 0));
       c->set_output(1, c->Vector(c->Dim(c->input(1), 0)));
       return ::absl::OkStatus();
@@ -690,8 +690,7 @@ REGISTER_OP("TfdeTableAccum")
     .Input("defaults: Tvalue")
     .Attr("Tkey: {int32, int64, string}")
     .Attr("Tvalue: {float, double, half, bfloat16}")
-    .TFDE_INIT_ATTRS
-    .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
+    .TFDE_INIT_ATTRS.SetShapeFn(::tensorflow::shape_inference::NoOutputs);
 
 REGISTER_OP("TfdeTableRemove")
     .Input("handle: resource")
@@ -701,8 +700,10 @@ REGISTER_OP("TfdeTableRemove")
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 
 REGISTER_OP("TfdeTableClear").Input("handle: resource").SetShapeFn(::tensorflow::shape_inference::NoOutputs);
-REGISTER_OP("TfdeTableSize").Input("handle: resource").Output("size: int64").SetShapeFn(
-    ::tensorflow::shape_inference::ScalarShape);
+REGISTER_OP("TfdeTableSize")
+    .Input("handle: resource")
+    .Output("size: int64")
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 REGISTER_OP("TfdeTableMemoryBytes")
     .Input("handle: resource")
     .Output("bytes: int64")
@@ -746,8 +747,7 @@ REGISTER_OP("TfdeInitRows")
     .Attr("Tkey: {int32, int64, string}")
     .Attr("Tvalue: {float, double, half, bfloat16}")
     .Attr("dim: int")
-    .TFDE_INIT_ATTRS
-    .SetShapeFn([](InferenceContext* c) { return RowsShape(c, 0, 0); });
+    .TFDE_INIT_ATTRS.SetShapeFn([](InferenceContext* c) { return RowsShape(c, 0, 0); });
 
 REGISTER_OP("TfdeOrdered")
     .Input("input: T")
@@ -762,21 +762,21 @@ REGISTER_KERNEL_BUILDER(Name("TfdeTableClear").Device(::tensorflow::DEVICE_CPU),
 REGISTER_KERNEL_BUILDER(Name("TfdeTableSize").Device(::tensorflow::DEVICE_CPU), SizeOp);
 REGISTER_KERNEL_BUILDER(Name("TfdeTableMemoryBytes").Device(::tensorflow::DEVICE_CPU), MemoryOp);
 
-#define TFDE_REGISTER_KEYED(TK)                                                                          \
-  REGISTER_KERNEL_BUILDER(Name("TfdeTableFind").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
-                          FindOp<TK>);                                                                   \
-  REGISTER_KERNEL_BUILDER(                                                                               \
-      Name("TfdeTableInsert").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), InsertOp<TK>); \
-  REGISTER_KERNEL_BUILDER(                                                                               \
-      Name("TfdeTableAccum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), AccumOp<TK>);   \
-  REGISTER_KERNEL_BUILDER(                                                                               \
-      Name("TfdeTableRemove").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), RemoveOp<TK>); \
-  REGISTER_KERNEL_BUILDER(                                                                               \
-      Name("TfdeTableExport").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), ExportOp<TK>); \
-  REGISTER_KERNEL_BUILDER(                                                                               \
-      Name("TfdeStableHash").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), StableHashOp<TK>); \
-  REGISTER_KERNEL_BUILDER(                                                                               \
-      Name("TfdeInitRows").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), InitRowsOp<TK>);
+#define TFDE_REGISTER_KEYED(TK)                                                                                \
+  REGISTER_KERNEL_BUILDER(Name("TfdeTableFind").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"),   \
+                          FindOp<TK>);                                                                         \
+  REGISTER_KERNEL_BUILDER(Name("TfdeTableInsert").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
+                          InsertOp<TK>);                                                                       \
+  REGISTER_KERNEL_BUILDER(Name("TfdeTableAccum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"),  \
+                          AccumOp<TK>);                                                                        \
+  REGISTER_KERNEL_BUILDER(Name("TfdeTableRemove").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
+                          RemoveOp<TK>);                                                                       \
+  REGISTER_KERNEL_BUILDER(Name("TfdeTableExport").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
+                          ExportOp<TK>);                                                                       \
+  REGISTER_KERNEL_BUILDER(Name("TfdeStableHash").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"),  \
+                          StableHashOp<TK>);                                                                   \
+  REGISTER_KERNEL_BUILDER(Name("TfdeInitRows").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"),    \
+                          InitRowsOp<TK>);
 
 TFDE_REGISTER_KEYED(int64_t)
 TFDE_REGISTER_KEYED(int32_t)

@@ -35,14 +35,14 @@
 
 namespace {
 
-constexpr int kDim = 5;                 // int32 values per row
-constexpr int64_t kKeySpace = 4000;     // keys per thread in phase 1 (small batches)
-constexpr int64_t kBigKeySpace = 30000; // keys of thread 0 in phase 1 (big batches)
-constexpr int64_t kMaxBatch = 300;      // keys per small batch
+constexpr int kDim = 5;                  // int32 values per row
+constexpr int64_t kKeySpace = 4000;      // keys per thread in phase 1 (small batches)
+constexpr int64_t kBigKeySpace = 30000;  // keys of thread 0 in phase 1 (big batches)
+constexpr int64_t kMaxBatch = 300;       // keys per small batch
 // Big batches reach past tfde::kMinKeysPerGroup keys, so writes split the
 // shards into several groups locked by different threads.
 constexpr int64_t kMaxBigBatch = 3 * tfde::kMinKeysPerGroup;
-constexpr int64_t kSharedKeys = 256;    // keys every thread hits in phase 2
+constexpr int64_t kSharedKeys = 256;  // keys every thread hits in phase 2
 
 using Row = std::vector<int32_t>;
 
@@ -131,9 +131,8 @@ void DisjointWorker(tfde::CuckooTable<K>* table, int thread, int64_t ops) {
       std::vector<Row> rows(n, Row(kDim));
       for (int64_t i = 0; i < n; ++i)
         for (int j = 0; j < kDim; ++j) rows[i][j] = static_cast<int32_t>(op * 31 + i * 7 + j);
-      table->Upsert(batch.views.data(), n, pfor, [&](int64_t i, char* row, bool, uint64_t) {
-        std::memcpy(row, rows[i].data(), kDim * 4);
-      });
+      table->Upsert(batch.views.data(), n, pfor,
+                    [&](int64_t i, char* row, bool, uint64_t) { std::memcpy(row, rows[i].data(), kDim * 4); });
       for (int64_t i = 0; i < n; ++i) shadow[keys[i]] = rows[i];
     } else if (kind == 1) {  // accum: missing rows start at zero; duplicates all add
       table->Upsert(batch.views.data(), n, pfor, [&](int64_t i, char* row, bool created, uint64_t hash) {
@@ -210,8 +209,9 @@ void DisjointPhase(const char* name, int threads, int64_t ops) {
       if (table.Size() < 0) Fail(std::string(name) + ": negative size");
       if (table.MemoryBytes() <= 0) Fail(std::string(name) + ": no memory in use");
       batch.Fill(static_cast<int>(rng() % threads), rng, 1 + rng() % 2000, kKeySpace);
-      table.Find(batch.views.data(), static_cast<int64_t>(batch.views.size()), ThreadsFor,
-                 [](int64_t, const char*) {}, [](int64_t, uint64_t) {});
+      table.Find(
+          batch.views.data(), static_cast<int64_t>(batch.views.size()), ThreadsFor, [](int64_t, const char*) {},
+          [](int64_t, uint64_t) {});
     }
   });
   for (auto& t : ts) t.join();
@@ -226,8 +226,9 @@ void DisjointPhase(const char* name, int threads, int64_t ops) {
          std::to_string(table.Size()));
   std::vector<typename tfde::KeyTraits<K>::View> views(all.begin(), all.end());
   std::atomic<int64_t> hits{0};
-  table.Find(views.data(), static_cast<int64_t>(views.size()), ThreadsFor,
-             [&](int64_t, const char*) { hits.fetch_add(1); }, [&](int64_t, uint64_t) {});
+  table.Find(
+      views.data(), static_cast<int64_t>(views.size()), ThreadsFor, [&](int64_t, const char*) { hits.fetch_add(1); },
+      [&](int64_t, uint64_t) {});
   if (hits.load() != table.Size()) Fail(std::string(name) + ": parallel find missed keys");
   std::printf("%s: disjoint keys, %d threads x %lld ops ok, final size %lld\n", name, threads,
               static_cast<long long>(ops), static_cast<long long>(table.Size()));
@@ -261,22 +262,22 @@ void SharedPhase(const char* name, int threads, int64_t ops) {
         }
         const int kind = static_cast<int>(rng() % 8);
         if (kind < 3) {
-          table.Upsert(views.data(), n, tfde::SerialFor, [&](int64_t i, char* row, bool, uint64_t) {
-            std::memcpy(row, rows[idx[i]].data(), kDim * 4);
-          });
+          table.Upsert(views.data(), n, tfde::SerialFor,
+                       [&](int64_t i, char* row, bool, uint64_t) { std::memcpy(row, rows[idx[i]].data(), kDim * 4); });
         } else if (kind < 6) {
           const int64_t removed = table.Remove(views.data(), n, tfde::SerialFor);
           if (removed < 0 || removed > n) Fail(std::string(name) + ": remove count out of range");
         } else if (kind == 6) {
-          table.Find(views.data(), n, tfde::SerialFor,
-                     [&](int64_t i, const char* row) { check_row(universe[idx[i]], row); }, [](int64_t, uint64_t) {});
+          table.Find(
+              views.data(), n, tfde::SerialFor, [&](int64_t i, const char* row) { check_row(universe[idx[i]], row); },
+              [](int64_t, uint64_t) {});
         } else if (t == 0 && op % 16 == 7) {
           table.Clear();
         }
         const int64_t size = table.Size();
         if (size < 0 || size > kSharedKeys)
-          Fail(std::string(name) + ": size " + std::to_string(size) + " outside [0, " +
-               std::to_string(kSharedKeys) + "] while keys are inserted and removed concurrently");
+          Fail(std::string(name) + ": size " + std::to_string(size) + " outside [0, " + std::to_string(kSharedKeys) +
+               "] while keys are inserted and removed concurrently");
       }
     });
   }

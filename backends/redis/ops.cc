@@ -68,8 +68,7 @@ std::map<std::string, Credentials>& CredentialsRegistry() {
 }
 
 // Hints of Fail's messages; tfde/tables/redis_table.py says the same.
-constexpr char kOutOfMemoryHint[] =
-    "free memory on the server or raise its maxmemory, then run the step again";
+constexpr char kOutOfMemoryHint[] = "free memory on the server or raise its maxmemory, then run the step again";
 constexpr char kCredentialsHint[] = "check redis_user and redis_password in the Redis config";
 
 // The attrs of error handling (see TFDE_REDIS_ATTRS): error_kinds entries
@@ -78,9 +77,10 @@ constexpr char kCredentialsHint[] = "check redis_user and redis_password in the 
 ::tensorflow::Status ReadErrorAttrs(OpKernelConstruction* ctx, resp::Config* config) {
   std::vector<std::string> kinds;
   TF_RETURN_IF_ERROR(ctx->GetAttr("error_kinds", &kinds));
-  static const std::map<std::string, resp::ErrorKind> kByName = {
-      {"transient", resp::ErrorKind::kTransient}, {"refused", resp::ErrorKind::kRefused},
-      {"capacity", resp::ErrorKind::kCapacity}, {"credentials", resp::ErrorKind::kCredentials}};
+  static const std::map<std::string, resp::ErrorKind> kByName = {{"transient", resp::ErrorKind::kTransient},
+                                                                 {"refused", resp::ErrorKind::kRefused},
+                                                                 {"capacity", resp::ErrorKind::kCapacity},
+                                                                 {"credentials", resp::ErrorKind::kCredentials}};
   for (const std::string& entry : kinds) {
     const size_t eq = entry.find('=');
     auto it = eq == std::string::npos ? kByName.end() : kByName.find(entry.substr(eq + 1));
@@ -136,9 +136,9 @@ class RedisOpBase : public OpKernel {
     for (const std::string& s : servers) {
       const size_t colon = s.rfind(':');
       int port = 0;
-      OP_REQUIRES(ctx, colon != std::string::npos && colon > 0 && (port = std::atoi(s.c_str() + colon + 1)) > 0 &&
-                           port < 65536,
-                  errors::InvalidArgument("servers entries must be host:port, got '", s, "'"));
+      OP_REQUIRES(
+          ctx, colon != std::string::npos && colon > 0 && (port = std::atoi(s.c_str() + colon + 1)) > 0 && port < 65536,
+          errors::InvalidArgument("servers entries must be host:port, got '", s, "'"));
       config.servers.emplace_back(s.substr(0, colon), port);
     }
     if (!credentials.empty()) {
@@ -194,8 +194,8 @@ class RedisOpBase : public OpKernel {
     const std::string during = std::string(op) + " of table '" + table_name_ + "'";
     if (redis_error == nullptr) {
       if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
-        ctx->CtxFailure(errors::ResourceExhausted("tfde.CapacityError: this process ran out of memory during ",
-                                                  during, " (", e.what(), "); use smaller batches"));
+        ctx->CtxFailure(errors::ResourceExhausted("tfde.CapacityError: this process ran out of memory during ", during,
+                                                  " (", e.what(), "); use smaller batches"));
       } else {  // a row of another size (std::length_error): the table holds other data
         ctx->CtxFailure(errors::InvalidArgument("tfde.ShapeError: ", during, ": ", e.what()));
       }
@@ -207,8 +207,8 @@ class RedisOpBase : public OpKernel {
                                             " after ", client_->attempts(), " attempts: ", e.what()));
         break;
       case resp::ErrorKind::kCapacity:
-        ctx->CtxFailure(errors::ResourceExhausted("tfde.CapacityError: ", at, " is out of memory during ", during,
-                                                  ": ", e.what(), "; ", kOutOfMemoryHint));
+        ctx->CtxFailure(errors::ResourceExhausted("tfde.CapacityError: ", at, " is out of memory during ", during, ": ",
+                                                  e.what(), "; ", kOutOfMemoryHint));
         break;
       case resp::ErrorKind::kCredentials:
         ctx->CtxFailure(errors::FailedPrecondition("tfde.CredentialsError: ", at, " refused the credentials during ",
@@ -224,15 +224,15 @@ class RedisOpBase : public OpKernel {
   }
 
   std::string Describe() const {
-    return "Redis table '" + table_name_ + "' " + DataTypeString(value_dtype_) + "[" + std::to_string(dim_) +
-           "] on " + client_->Describe();
+    return "Redis table '" + table_name_ + "' " + DataTypeString(value_dtype_) + "[" + std::to_string(dim_) + "] on " +
+           client_->Describe();
   }
 
   int64_t dim_ = 0;
   DataType value_dtype_ = ::tensorflow::DT_INVALID;
   std::vector<std::string> buckets_;  // full Redis key of each bucket, in bucket order
   std::string table_name_;
-  size_t chunk_ = 1024;               // keys per command (keys_sending_size)
+  size_t chunk_ = 1024;  // keys per command (keys_sending_size)
   std::unique_ptr<resp::Client> client_;
 };
 
@@ -265,7 +265,8 @@ class RedisFindOp : public RedisOpBase {
     for (size_t b = 0; b < by_bucket.size(); ++b) {
       for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
         resp::Command c{buckets_[b], {"HMGET", buckets_[b]}};
-        positions.emplace_back(by_bucket[b].begin() + s, by_bucket[b].begin() + std::min(s + chunk_, by_bucket[b].size()));
+        positions.emplace_back(by_bucket[b].begin() + s,
+                               by_bucket[b].begin() + std::min(s + chunk_, by_bucket[b].size()));
         for (int64_t i : positions.back()) c.args.push_back(fields[i]);
         commands.push_back(std::move(c));
       }
@@ -273,33 +274,33 @@ class RedisFindOp : public RedisOpBase {
     char* out = const_cast<char*>(values->tensor_data().data());
     bool* ex = exists->flat<bool>().data();
     OP_REQUIRES_OK(ctx, WithValueType(value_dtype_, [&](auto v) {
-      using V = decltype(v);
-      const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(V);
-      try {
-        client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
-          if (r.type != resp::Reply::kArray || r.elements.size() != positions[c].size())
-            throw resp::Error("a malformed HMGET reply for " + buckets_[0], true);
-          for (size_t j = 0; j < positions[c].size(); ++j) {
-            const int64_t i = positions[c][j];
-            const resp::Reply& value = r.elements[j];
-            if (value.type != resp::Reply::kBulk) {
-              missing.template Fill<V>(i, hashes[i], dim_, out + i * row_bytes);
-              ex[i] = false;
-              continue;
-            }
-            if (value.str.size() != row_bytes)
-              throw std::length_error("a row in " + std::string(commands[c].key) + " has " +
-                                      std::to_string(value.str.size()) + " bytes, expected " +
-                                      std::to_string(row_bytes) + " for " + Describe() +
-                                      ": the table holds another dim or dtype");
-            std::memcpy(out + i * row_bytes, value.str.data(), row_bytes);
-            ex[i] = true;
-          }
-        });
-      } catch (const std::exception& e) {
-        Fail(ctx, "find", e);
-      }
-    }));
+                     using V = decltype(v);
+                     const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(V);
+                     try {
+                       client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
+                         if (r.type != resp::Reply::kArray || r.elements.size() != positions[c].size())
+                           throw resp::Error("a malformed HMGET reply for " + buckets_[0], true);
+                         for (size_t j = 0; j < positions[c].size(); ++j) {
+                           const int64_t i = positions[c][j];
+                           const resp::Reply& value = r.elements[j];
+                           if (value.type != resp::Reply::kBulk) {
+                             missing.template Fill<V>(i, hashes[i], dim_, out + i * row_bytes);
+                             ex[i] = false;
+                             continue;
+                           }
+                           if (value.str.size() != row_bytes)
+                             throw std::length_error("a row in " + std::string(commands[c].key) + " has " +
+                                                     std::to_string(value.str.size()) + " bytes, expected " +
+                                                     std::to_string(row_bytes) + " for " + Describe() +
+                                                     ": the table holds another dim or dtype");
+                           std::memcpy(out + i * row_bytes, value.str.data(), row_bytes);
+                           ex[i] = true;
+                         }
+                       });
+                     } catch (const std::exception& e) {
+                       Fail(ctx, "find", e);
+                     }
+                   }));
   }
 
  private:
@@ -352,39 +353,39 @@ class RedisInsertOp : public RedisOpBase {
   }
 };
 
-#define TFDE_REDIS_ATTRS                                          \
-  Attr("Tkey: {int32, int64, string}")                            \
-      .Attr("Tvalue: {float, double, half, bfloat16}")            \
-      .Attr("dim: int")                                           \
-      .Attr("buckets: list(string)")                              \
-      .Attr("table_name: string = ''")                            \
-      .Attr("chunk: int = 1024")                                  \
-      .Attr("mode: int")                                          \
-      .Attr("servers: list(string)")                              \
-      .Attr("master_name: string = ''")                           \
-      .Attr("db: int = 0")                                        \
-      .Attr("user: string = ''")                                  \
-      .Attr("credentials: string = ''")                           \
-      .Attr("password_env: string = ''")                          \
-      .Attr("sentinel_user: string = ''")                         \
-      .Attr("sentinel_password_env: string = ''")                 \
-      .Attr("connect_timeout_ms: int = 1000")                     \
-      .Attr("socket_timeout_ms: int = 1000")                      \
-      .Attr("retries: int = 4")                                   \
-      .Attr("error_kinds: list(string) = []")                     \
-      .Attr("meta_key: string = ''")                              \
-      .Attr("meta: string = ''")                                  \
-      .Attr("recreate_meta: bool = false")                        \
-      /* A Redis op talks to a server over the network: without this, */ \
-      /* TF's executor turns its UNAVAILABLE into INTERNAL in graphs. */  \
+// SetIsDistributedCommunication: a Redis op talks to a server over the
+// network; without it, TF's executor turns its UNAVAILABLE into INTERNAL in
+// graphs.
+#define TFDE_REDIS_ATTRS                               \
+  Attr("Tkey: {int32, int64, string}")                 \
+      .Attr("Tvalue: {float, double, half, bfloat16}") \
+      .Attr("dim: int")                                \
+      .Attr("buckets: list(string)")                   \
+      .Attr("table_name: string = ''")                 \
+      .Attr("chunk: int = 1024")                       \
+      .Attr("mode: int")                               \
+      .Attr("servers: list(string)")                   \
+      .Attr("master_name: string = ''")                \
+      .Attr("db: int = 0")                             \
+      .Attr("user: string = ''")                       \
+      .Attr("credentials: string = ''")                \
+      .Attr("password_env: string = ''")               \
+      .Attr("sentinel_user: string = ''")              \
+      .Attr("sentinel_password_env: string = ''")      \
+      .Attr("connect_timeout_ms: int = 1000")          \
+      .Attr("socket_timeout_ms: int = 1000")           \
+      .Attr("retries: int = 4")                        \
+      .Attr("error_kinds: list(string) = []")          \
+      .Attr("meta_key: string = ''")                   \
+      .Attr("meta: string = ''")                       \
+      .Attr("recreate_meta: bool = false")             \
       .SetIsDistributedCommunication()
 
 REGISTER_OP("TfdeRedisInsert")
     .Input("keys: Tkey")
     .Input("values: Tvalue")
     .Output("written: int64")
-    .TFDE_REDIS_ATTRS
-    .SetIsStateful()
+    .TFDE_REDIS_ATTRS.SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 
 REGISTER_OP("TfdeRedisFind")
@@ -392,8 +393,7 @@ REGISTER_OP("TfdeRedisFind")
     .Input("defaults: Tvalue")
     .Output("values: Tvalue")
     .Output("exists: bool")
-    .TFDE_REDIS_ATTRS
-    .Attr("init_kind: {'defaults', 'constant', 'uniform', 'normal', 'truncated_normal'} = 'defaults'")
+    .TFDE_REDIS_ATTRS.Attr("init_kind: {'defaults', 'constant', 'uniform', 'normal', 'truncated_normal'} = 'defaults'")
     .Attr("init_p0: float = 0.0")
     .Attr("init_p1: float = 0.0")
     .Attr("init_seed: int = 0")
@@ -409,11 +409,11 @@ REGISTER_OP("TfdeRedisFind")
       return ::absl::OkStatus();
     });
 
-#define TFDE_REGISTER_REDIS(TK)                                                                          \
-  REGISTER_KERNEL_BUILDER(                                                                              \
-      Name("TfdeRedisFind").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), RedisFindOp<TK>); \
-  REGISTER_KERNEL_BUILDER(                                                                              \
-      Name("TfdeRedisInsert").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), RedisInsertOp<TK>)
+#define TFDE_REGISTER_REDIS(TK)                                                                                \
+  REGISTER_KERNEL_BUILDER(Name("TfdeRedisFind").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"),   \
+                          RedisFindOp<TK>);                                                                    \
+  REGISTER_KERNEL_BUILDER(Name("TfdeRedisInsert").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
+                          RedisInsertOp<TK>)
 TFDE_REGISTER_REDIS(int32_t);
 TFDE_REGISTER_REDIS(int64_t);
 TFDE_REGISTER_REDIS(tstring);
@@ -499,8 +499,8 @@ class RedisInsertGroupOp : public RedisOpBase {
     OP_REQUIRES(ctx, other_dims_.size() == k && other_names_.size() == k && other_buckets_.size() == k * nb,
                 errors::InvalidArgument("TfdeRedisInsertGroup of ", Describe(), " with ", k,
                                         " other tables needs one dim and one name per table and ", nb,
-                                        " buckets per table; got ", other_dims_.size(), " dims, ",
-                                        other_names_.size(), " names and ", other_buckets_.size(), " buckets"));
+                                        " buckets per table; got ", other_dims_.size(), " dims, ", other_names_.size(),
+                                        " names and ", other_buckets_.size(), " buckets"));
     for (size_t t = 0; t < k; ++t) {
       OP_REQUIRES(ctx, other_dims_[t] >= 1 && other_dims_[t] <= kMaxDim,
                   errors::InvalidArgument("dim of table '", other_names_[t], "' must be between 1 and ", kMaxDim,
@@ -509,12 +509,12 @@ class RedisInsertGroupOp : public RedisOpBase {
       // every table must share the slot of this table's bucket b.
       for (size_t b = 0; mode == 0 && b < nb; ++b) {
         const std::string& other = other_buckets_[t * nb + b];
-        OP_REQUIRES(ctx, resp::KeySlot(other) == resp::KeySlot(buckets_[b]),
-                    errors::InvalidArgument("bucket ", b, " of table '", other_names_[t], "' (", other,
-                                            ") is in cluster slot ", resp::KeySlot(other), " but bucket ", b,
-                                            " of table '", table_name_, "' (", buckets_[b], ") is in slot ",
-                                            resp::KeySlot(buckets_[b]),
-                                            "; tables written together must share their hash tags"));
+        OP_REQUIRES(
+            ctx, resp::KeySlot(other) == resp::KeySlot(buckets_[b]),
+            errors::InvalidArgument("bucket ", b, " of table '", other_names_[t], "' (", other, ") is in cluster slot ",
+                                    resp::KeySlot(other), " but bucket ", b, " of table '", table_name_, "' (",
+                                    buckets_[b], ") is in slot ", resp::KeySlot(buckets_[b]),
+                                    "; tables written together must share their hash tags"));
       }
     }
     per_bucket_ = mode == 0;
@@ -643,15 +643,13 @@ class RedisInsertGroupOp : public RedisOpBase {
   const std::string& BucketOf(size_t table, size_t bucket) const {
     return table == 0 ? buckets_[bucket] : other_buckets_[(table - 1) * buckets_.size() + bucket];
   }
-  const std::string& TableName(size_t table) const {
-    return table == 0 ? table_name_ : other_names_[table - 1];
-  }
+  const std::string& TableName(size_t table) const { return table == 0 ? table_name_ : other_names_[table - 1]; }
 
   std::vector<DataType> other_dtypes_;
   std::vector<int64_t> other_dims_;
   std::vector<std::string> other_buckets_;  // table-major: other table t's bucket b at t * nb + b
   std::vector<std::string> other_names_;
-  bool per_bucket_ = true;                  // cluster: one transaction per bucket (slot)
+  bool per_bucket_ = true;  // cluster: one transaction per bucket (slot)
 };
 
 REGISTER_OP("TfdeRedisInsertGroup")
@@ -659,18 +657,16 @@ REGISTER_OP("TfdeRedisInsertGroup")
     .Input("values: Tvalue")
     .Input("others: Tothers")
     .Output("written: int64")
-    .TFDE_REDIS_ATTRS
-    .Attr("Tothers: list({float, double, half, bfloat16}) >= 1")
+    .TFDE_REDIS_ATTRS.Attr("Tothers: list({float, double, half, bfloat16}) >= 1")
     .Attr("other_dims: list(int)")
     .Attr("other_buckets: list(string)")
     .Attr("other_names: list(string)")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 
-#define TFDE_REGISTER_REDIS_GROUP(TK)                                                          \
-  REGISTER_KERNEL_BUILDER(                                                                    \
-      Name("TfdeRedisInsertGroup").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
-      RedisInsertGroupOp<TK>)
+#define TFDE_REGISTER_REDIS_GROUP(TK)                                                                               \
+  REGISTER_KERNEL_BUILDER(Name("TfdeRedisInsertGroup").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
+                          RedisInsertGroupOp<TK>)
 TFDE_REGISTER_REDIS_GROUP(int32_t);
 TFDE_REGISTER_REDIS_GROUP(int64_t);
 TFDE_REGISTER_REDIS_GROUP(tstring);
@@ -685,11 +681,13 @@ TFDE_REGISTER_REDIS_GROUP(tstring);
 // becomes a tensor, an attr or a graph constant in any mode (eager,
 // tf.function, TF1 graphs).  Lengths are explicit: a password may hold any
 // bytes.  Returns 0.
-extern "C" __attribute__((visibility("default"))) int tfde_redis_register_credentials(
-    const char* id, size_t id_len, const char* password, size_t password_len, const char* sentinel_password,
-    size_t sentinel_password_len) {
+extern "C" __attribute__((visibility("default"))) int tfde_redis_register_credentials(const char* id, size_t id_len,
+                                                                                      const char* password,
+                                                                                      size_t password_len,
+                                                                                      const char* sentinel_password,
+                                                                                      size_t sentinel_password_len) {
   std::lock_guard<std::mutex> lock(tfde::credentials_mu);
-  tfde::CredentialsRegistry()[std::string(id, id_len)] = tfde::Credentials{
-      std::string(password, password_len), std::string(sentinel_password, sentinel_password_len)};
+  tfde::CredentialsRegistry()[std::string(id, id_len)] =
+      tfde::Credentials{std::string(password, password_len), std::string(sentinel_password, sentinel_password_len)};
   return 0;
 }

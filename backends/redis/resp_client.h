@@ -54,7 +54,7 @@ constexpr int kBackoffMaxMs = 1000;  // longest delay between retries
 constexpr size_t kReadChunk = 1 << 16;
 
 constexpr int64_t kMaxBulkBytes = int64_t{512} << 20;  // Redis's own proto-max-bulk-len default
-constexpr int64_t kMaxReserve = 1 << 16;                // array slots reserved up front; more grow as read
+constexpr int64_t kMaxReserve = 1 << 16;               // array slots reserved up front; more grow as read
 
 // What a failure means for the caller (tfde/errors.py names the classes):
 enum class ErrorKind {
@@ -160,9 +160,18 @@ class Connection {
     if (line.empty()) throw Error(Address() + " sent an empty reply line", true);
     const std::string_view body(line.data() + 1, line.size() - 1);
     switch (line[0]) {
-      case '+': r.type = Reply::kStatus; r.str = std::string(body); break;
-      case '-': r.type = Reply::kError; r.str = std::string(body); break;
-      case ':': r.type = Reply::kInteger; r.integer = ParseInt(body); break;
+      case '+':
+        r.type = Reply::kStatus;
+        r.str = std::string(body);
+        break;
+      case '-':
+        r.type = Reply::kError;
+        r.str = std::string(body);
+        break;
+      case ':':
+        r.type = Reply::kInteger;
+        r.integer = ParseInt(body);
+        break;
       case '$': {
         const int64_t n = ParseInt(body);
         if (n < 0) {
@@ -254,7 +263,8 @@ class Connection {
 
   [[noreturn]] void Fail(const char* what, int err) {
     const bool timeout = err == EAGAIN || err == EWOULDBLOCK;
-    throw Error(std::string(what) + " to " + Address() + (timeout ? " timed out" : " failed: " + std::string(std::strerror(err))),
+    throw Error(std::string(what) + " to " + Address() +
+                    (timeout ? " timed out" : " failed: " + std::string(std::strerror(err))),
                 true);
   }
 
@@ -409,8 +419,8 @@ class Client {
     for (const auto& [node, list] : by_node) {
       Connection& c = ConnectionTo(node);
       bool moved = false;
-      std::unique_ptr<Error> refused;    // the first error reply
-      std::exception_ptr undelivered;    // what deliver threw
+      std::unique_ptr<Error> refused;  // the first error reply
+      std::exception_ptr undelivered;  // what deliver threw
       try {
         for (size_t i : list) c.Append(commands[i].args);
         c.Flush();
@@ -463,9 +473,7 @@ class Client {
     return r;
   }
 
-  std::string NodeOf(std::string_view key) const {
-    return config_.mode == 0 ? slot_nodes_[KeySlot(key)] : master_;
-  }
+  std::string NodeOf(std::string_view key) const { return config_.mode == 0 ? slot_nodes_[KeySlot(key)] : master_; }
 
   Connection& ConnectionTo(const std::string& node) {
     auto it = connections_.find(node);
@@ -560,9 +568,9 @@ class Client {
 
   Config config_;
   std::mutex mu_;
-  bool discovered_ = false;                // master_ / slot_nodes_ are current
-  std::string master_;                     // modes 1, 2: "host:port" of the server to read
-  std::vector<std::string> slot_nodes_;    // mode 0: "host:port" per cluster slot
+  bool discovered_ = false;              // master_ / slot_nodes_ are current
+  std::string master_;                   // modes 1, 2: "host:port" of the server to read
+  std::vector<std::string> slot_nodes_;  // mode 0: "host:port" per cluster slot
   // By "host:port"; only connections whose stream is in step (every reply
   // read) are kept here.
   std::map<std::string, std::unique_ptr<Connection>> connections_;

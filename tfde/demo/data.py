@@ -32,7 +32,7 @@ class Interactions:
     train_items: np.ndarray  # [n] int64
     test_users: np.ndarray
     test_items: np.ndarray
-    all_items: np.ndarray    # [m] int64, every item id that exists
+    all_items: np.ndarray  # [m] int64, every item id that exists
 
     @property
     def num_train(self) -> int:
@@ -44,9 +44,16 @@ def _item_ids(n: int, rng) -> np.ndarray:
     return rng.choice(np.int64(1) << 40, size=n, replace=False).astype(np.int64) + 1_000_000
 
 
-def synthetic(num_interactions: int = 1_000_000, num_users: int = 50_000, num_items: int = 20_000,
-              num_tastes: int = 48, popularity_exponent: float = 0.9, sharpness: float = 2.0,
-              test_fraction: float = 0.05, seed: int = 0) -> Interactions:
+def synthetic(
+    num_interactions: int = 1_000_000,
+    num_users: int = 50_000,
+    num_items: int = 20_000,
+    num_tastes: int = 48,
+    popularity_exponent: float = 0.9,
+    sharpness: float = 2.0,
+    test_fraction: float = 0.05,
+    seed: int = 0,
+) -> Interactions:
     rng = np.random.default_rng(seed)
     item_ids = _item_ids(num_items, rng)
     popularity = (np.arange(1, num_items + 1, dtype=np.float64)) ** -popularity_exponent
@@ -62,8 +69,11 @@ def synthetic(num_interactions: int = 1_000_000, num_users: int = 50_000, num_it
     primary = rng.integers(0, num_tastes, size=num_users)
     secondary = rng.integers(0, num_tastes, size=num_users)
     pick = rng.random(num_interactions)
-    taste = np.where(pick < 0.7, primary[users],
-                     np.where(pick < 0.9, secondary[users], rng.integers(0, num_tastes, size=num_interactions)))
+    taste = np.where(
+        pick < 0.7,
+        primary[users],
+        np.where(pick < 0.9, secondary[users], rng.integers(0, num_tastes, size=num_interactions)),
+    )
     u = rng.random(num_interactions)
     items = np.empty(num_interactions, np.int64)
     for t in range(num_tastes):  # inverse-CDF sampling per taste
@@ -81,8 +91,9 @@ def movielens_csv(path: str, test_fraction: float = 0.05, seed: int = 0) -> Inte
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None or [h.strip() for h in header[:2]] != ["userId", "movieId"]:
-            raise ValueError(f"{path}: expected a MovieLens ratings CSV whose header starts with userId,movieId; "
-                             f"got {header!r}")
+            raise ValueError(
+                f"{path}: expected a MovieLens ratings CSV whose header starts with userId,movieId; got {header!r}"
+            )
         for lineno, row in enumerate(reader, start=2):
             if not row:
                 continue
@@ -90,8 +101,9 @@ def movielens_csv(path: str, test_fraction: float = 0.05, seed: int = 0) -> Inte
                 users.append(f"user_{row[0].strip()}")
                 items.append(int(row[1]))
             except (IndexError, ValueError):
-                raise ValueError(f"{path}:{lineno}: expected userId,movieId,... with an integer movieId, "
-                                 f"got {row!r}") from None
+                raise ValueError(
+                    f"{path}:{lineno}: expected userId,movieId,... with an integer movieId, got {row!r}"
+                ) from None
     if not items:
         raise ValueError(f"{path}: no ratings found")
     rng = np.random.default_rng(seed)
@@ -107,9 +119,27 @@ def _split(users, items, all_items, test_fraction, rng) -> Interactions:
 
 
 # MovieLens's genre vocabulary (its README, "Movies Data File Structure").
-MOVIELENS_GENRES = ("Action", "Adventure", "Animation", "Children", "Comedy", "Crime", "Documentary", "Drama",
-                    "Fantasy", "Film-Noir", "Horror", "IMAX", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller",
-                    "War", "Western")
+MOVIELENS_GENRES = (
+    "Action",
+    "Adventure",
+    "Animation",
+    "Children",
+    "Comedy",
+    "Crime",
+    "Documentary",
+    "Drama",
+    "Fantasy",
+    "Film-Noir",
+    "Horror",
+    "IMAX",
+    "Musical",
+    "Mystery",
+    "Romance",
+    "Sci-Fi",
+    "Thriller",
+    "War",
+    "Western",
+)
 NO_GENRES = "(no genres listed)"
 # Seconds since the epoch of the first and last ratings of MovieLens
 # latest-small; the written timestamps fall between them.
@@ -117,8 +147,9 @@ FIRST_TIMESTAMP_S = 828_124_615
 LAST_TIMESTAMP_S = 1_537_799_250
 
 
-def write_movielens_csv(directory: str, num_ratings: int = 100_000, num_users: int = 1_000,
-                        num_movies: int = 1_700, seed: int = 0):
+def write_movielens_csv(
+    directory: str, num_ratings: int = 100_000, num_users: int = 1_000, num_movies: int = 1_700, seed: int = 0
+):
     """Writes synthetic() interactions as MovieLens files; returns the paths
     (ratings.csv, movies.csv) in `directory` (made if missing; files already
     there are replaced, each atomically).
@@ -138,16 +169,21 @@ def write_movielens_csv(directory: str, num_ratings: int = 100_000, num_users: i
 
     Deterministic: the same arguments write the same bytes.
     """
-    for name, value in (("num_ratings", num_ratings), ("num_users", num_users), ("num_movies", num_movies),
-                        ("seed", seed)):
+    for name, value in (
+        ("num_ratings", num_ratings),
+        ("num_users", num_users),
+        ("num_movies", num_movies),
+        ("seed", seed),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < (0 if name == "seed" else 1):
-            raise ValueError(f"write_movielens_csv: {name} must be an int >= {0 if name == 'seed' else 1}, "
-                             f"got {value!r}")
+            raise ValueError(
+                f"write_movielens_csv: {name} must be an int >= {0 if name == 'seed' else 1}, got {value!r}"
+            )
     directory = os.fspath(directory)
     data = synthetic(int(num_ratings), int(num_users), int(num_movies), seed=int(seed))
     users = np.concatenate([data.train_users, data.test_users])
     items = np.concatenate([data.train_items, data.test_items])
-    user_ids = np.fromiter((int(u[len("user_"):]) for u in users), np.int64, len(users)) + 1
+    user_ids = np.fromiter((int(u[len("user_") :]) for u in users), np.int64, len(users)) + 1
     by_id = np.argsort(data.all_items)
     movie_ids = by_id[np.searchsorted(data.all_items, items, sorter=by_id)].astype(np.int64) + 1
 
@@ -160,8 +196,11 @@ def write_movielens_csv(directory: str, num_ratings: int = 100_000, num_users: i
     os.makedirs(directory, exist_ok=True)
     ratings_path = os.path.join(directory, "ratings.csv")
     movies_path = os.path.join(directory, "movies.csv")
-    _write_csv(ratings_path, ["userId", "movieId", "rating", "timestamp"],
-               ((user_ids[i], movie_ids[i], f"{ratings[i]:.1f}", timestamps[i]) for i in order))
+    _write_csv(
+        ratings_path,
+        ["userId", "movieId", "rating", "timestamp"],
+        ((user_ids[i], movie_ids[i], f"{ratings[i]:.1f}", timestamps[i]) for i in order),
+    )
     years = rng.integers(1920, 2019, size=num_movies)
     # 1 to 3 genres; about 1% "(no genres listed)" (0.3% of MovieLens latest-small).
     num_genres = np.where(rng.random(num_movies) < 0.01, 0, rng.integers(1, 4, size=num_movies))

@@ -32,7 +32,8 @@ class Engine:
                 raise ConfigError(
                     "the demo trains with model.fit, which Keras 3 cannot run under MultiWorkerMirroredStrategy "
                     "(it fails inside Keras even for a Dense model); use tf-keras (--keras tf-keras) or a custom "
-                    "loop (README, 'Distributed training')")
+                    "loop (README, 'Distributed training')"
+                )
             self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
             resolver = self.strategy.cluster_resolver
             self.rank, self.size = resolver.task_id, self.strategy.num_replicas_in_sync
@@ -57,7 +58,7 @@ class Engine:
 
     def shard(self, array: np.ndarray) -> np.ndarray:
         """This worker's examples: every size-th one, from its rank."""
-        return array[self.rank::self.size]
+        return array[self.rank :: self.size]
 
     def steps_per_epoch(self, num_examples: int, batch_size: int) -> int:
         """The same on every worker (a synchronous job must not have one

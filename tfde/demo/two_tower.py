@@ -24,16 +24,30 @@ from tfde.demo.engines import Engine
 
 
 class TwoTower(tf.keras.Model):
-    def __init__(self, embedding_dim: int = 64, output_dim: int = 32, temperature: float = 0.1,
-                 table_creator=None, seed: int = 0, restrict_policy=None, min_count=None, **kwargs):
+    def __init__(
+        self,
+        embedding_dim: int = 64,
+        output_dim: int = 32,
+        temperature: float = 0.1,
+        table_creator=None,
+        seed: int = 0,
+        restrict_policy=None,
+        min_count=None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         init = tf.keras.initializers.RandomNormal(stddev=0.1, seed=seed)
 
         def embedding(key_dtype, name):
             return tfde.keras.layers.Embedding(
-                embedding_dim, key_dtype=key_dtype, initializer=init, table_creator=table_creator,
-                restrict_policy=restrict_policy, name=name,
-                admission_filter=tfde.CounterFilter(min_count) if min_count else None)
+                embedding_dim,
+                key_dtype=key_dtype,
+                initializer=init,
+                table_creator=table_creator,
+                restrict_policy=restrict_policy,
+                name=name,
+                admission_filter=tfde.CounterFilter(min_count) if min_count else None,
+            )
 
         self.user_embedding = embedding(tf.string, "user-embedding")
         self.item_embedding = embedding(tf.int64, "item-embedding")
@@ -64,8 +78,9 @@ def item_log_frequency(items: np.ndarray) -> np.ndarray:
 
 
 def in_batch_dataset(users, items, batch_size: int, seed: int, shuffle: bool = True) -> tf.data.Dataset:
-    ds = tf.data.Dataset.from_tensor_slices({"user": users.astype(str), "item": items,
-                                             "item_logq": item_log_frequency(items)})
+    ds = tf.data.Dataset.from_tensor_slices(
+        {"user": users.astype(str), "item": items, "item_logq": item_log_frequency(items)}
+    )
     if shuffle:
         ds = ds.shuffle(min(len(items), 200_000), seed=seed, reshuffle_each_iteration=True)
     ds = ds.batch(batch_size, drop_remainder=True)
@@ -80,15 +95,15 @@ def recall_at_k(model: TwoTower, data: Interactions, k: int = 100, max_eval: int
     user_vectors = reader(lambda ids: model.user_vectors(ids, training=False))
     item_vectors = reader(lambda ids: model.item_vectors(ids, training=False))
     items = tf.constant(data.all_items)
-    item_vecs = tf.concat([item_vectors(items[i:i + 8192]) for i in range(0, len(data.all_items), 8192)], 0)
+    item_vecs = tf.concat([item_vectors(items[i : i + 8192]) for i in range(0, len(data.all_items), 8192)], 0)
     users, targets = data.test_users[:max_eval], data.test_items[:max_eval]
     pos_of_item = {int(x): i for i, x in enumerate(data.all_items)}
     target_pos = np.array([pos_of_item[int(x)] for x in targets])
     hits = 0
     for s in range(0, len(users), 2048):
-        u = user_vectors(tf.constant(users[s:s + 2048].astype(str)))
+        u = user_vectors(tf.constant(users[s : s + 2048].astype(str)))
         _, top = tf.math.top_k(tf.matmul(u, item_vecs, transpose_b=True), k=min(k, len(data.all_items)))
-        hits += int(np.sum(np.any(top.numpy() == target_pos[s:s + 2048, None], axis=1)))
+        hits += int(np.sum(np.any(top.numpy() == target_pos[s : s + 2048, None], axis=1)))
     return hits / len(users)
 
 
@@ -108,8 +123,9 @@ class TableSizes(tf.keras.callbacks.Callback):
         self.label = label
 
     def on_epoch_end(self, epoch, logs=None):
-        sizes = {layer.name: int(layer.params.size()) for layer in (self.model.user_embedding,
-                                                                     self.model.item_embedding)}
+        sizes = {
+            layer.name: int(layer.params.size()) for layer in (self.model.user_embedding, self.model.item_embedding)
+        }
         print(f"{self.label}: " + ", ".join(f"{name} {n:,}" for name, n in sizes.items()))
 
 
@@ -137,18 +153,35 @@ class ExamplesPerSecond(tf.keras.callbacks.Callback):
 
 
 def make_optimizer(name: str, learning_rate: float):
-    opts = {"adam": tf.keras.optimizers.Adam, "adagrad": tf.keras.optimizers.Adagrad,
-            "sgd": tf.keras.optimizers.SGD, "rmsprop": tf.keras.optimizers.RMSprop,
-            "adamw": tf.keras.optimizers.AdamW, "ftrl": tf.keras.optimizers.Ftrl}
+    opts = {
+        "adam": tf.keras.optimizers.Adam,
+        "adagrad": tf.keras.optimizers.Adagrad,
+        "sgd": tf.keras.optimizers.SGD,
+        "rmsprop": tf.keras.optimizers.RMSprop,
+        "adamw": tf.keras.optimizers.AdamW,
+        "ftrl": tf.keras.optimizers.Ftrl,
+    }
     if name not in opts:
         raise tfde.ConfigError(f"--optimizer must be one of {sorted(opts)}, got {name!r}")
     return tfde.DynamicEmbeddingOptimizer(opts[name](learning_rate=learning_rate))
 
 
-def train(data: Interactions, epochs: int = 2, batch_size: int = 1024, embedding_dim: int = 64,
-          learning_rate: float = 0.01, optimizer: str = "adam", seed: int = 0, table_creator=None,
-          verbose: int = 1, k: int = 100, policy: str = None, max_rows: int = None, min_count: int = None,
-          engine=None) -> dict:
+def train(
+    data: Interactions,
+    epochs: int = 2,
+    batch_size: int = 1024,
+    embedding_dim: int = 64,
+    learning_rate: float = 0.01,
+    optimizer: str = "adam",
+    seed: int = 0,
+    table_creator=None,
+    verbose: int = 1,
+    k: int = 100,
+    policy: str = None,
+    max_rows: int = None,
+    min_count: int = None,
+    engine=None,
+) -> dict:
     """Trains the demo model; returns figures (loss, examples/s, recalls).
 
     policy: None, 'frequency' or 'timestamp' (restrict policy of both tables);
@@ -167,18 +200,26 @@ def train(data: Interactions, epochs: int = 2, batch_size: int = 1024, embedding
     if policy not in policies:
         raise tfde.ConfigError(f"policy must be 'frequency' or 'timestamp', got {policy!r}")
     with engine.scope():
-        model = TwoTower(embedding_dim=embedding_dim, table_creator=table_creator, seed=seed,
-                         restrict_policy=policies[policy], min_count=min_count)
-        model.compile(optimizer=engine.optimizer(make_optimizer(optimizer, learning_rate)),
-                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = TwoTower(
+            embedding_dim=embedding_dim,
+            table_creator=table_creator,
+            seed=seed,
+            restrict_policy=policies[policy],
+            min_count=min_count,
+        )
+        model.compile(
+            optimizer=engine.optimizer(make_optimizer(optimizer, learning_rate)),
+            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     rate = ExamplesPerSecond(batch_size * engine.size, verbose=bool(verbose))
     sizes = TableSizes("table rows" if engine.size == 1 else "table rows of worker 0's shard")
     callbacks = [rate, sizes] + engine.callbacks() if verbose else [rate] + engine.callbacks()
     if max_rows:
         # Trim to 90% when a table passes max_rows, so restriction (a scan of
         # the table) runs every few batches rather than after every batch.
-        callbacks.append(tfde.keras.callbacks.RestrictCallback(max_size=max_rows,
-                                                               num_reserved=max(1, int(max_rows * 0.9))))
+        callbacks.append(
+            tfde.keras.callbacks.RestrictCallback(max_size=max_rows, num_reserved=max(1, int(max_rows * 0.9)))
+        )
     if engine.size == 1:
         ds, steps = in_batch_dataset(data.train_users, data.train_items, batch_size, seed), None
     else:  # every worker takes the same number of steps through its share, repeated
@@ -198,10 +239,15 @@ def train(data: Interactions, epochs: int = 2, batch_size: int = 1024, embedding
         f"most_popular_recall@{k}": baseline,
         "user_rows": int(model.user_embedding.params.size()),  # this worker's shard
         "item_rows": int(model.item_embedding.params.size()),
-        "workers": engine.size, "chief": engine.chief,
+        "workers": engine.size,
+        "chief": engine.chief,
         # With tfde.exchange.enable_stats(): this worker's exchange traffic per training step.
-        "exchange": None if exchanged is None else {
+        "exchange": None
+        if exchanged is None
+        else {
             "steps": len(history.history["loss"]) * (steps or len(data.train_items) // batch_size),
-            "fit_seconds": fit_seconds, **exchanged},
+            "fit_seconds": fit_seconds,
+            **exchanged,
+        },
         "model": model,
     }

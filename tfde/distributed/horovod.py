@@ -43,7 +43,8 @@ def import_horovod():
         raise ImportError(
             "tfde.distributed.horovod needs Horovod built with TensorFlow: HOROVOD_WITH_TENSORFLOW=1 "
             "HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 pip install --no-build-isolation horovod==0.28.1 "
-            f"(Horovod 0.28.1 builds against TF <= 2.16); import failed: {e}") from e
+            f"(Horovod 0.28.1 builds against TF <= 2.16); import failed: {e}"
+        ) from e
     return hvd
 
 
@@ -66,10 +67,13 @@ class HorovodExchange(AllToAllExchange):
     def __init__(self, hvd):
         self._hvd = hvd
         super().__init__(
-            rank=hvd.rank(), size=hvd.size(),
+            rank=hvd.rank(),
+            size=hvd.size(),
             alltoall=lambda t, splits: hvd.alltoall(t, splits=splits),
             max_over_workers=lambda x: hvd.allreduce(x, op=hvd.Max),
-            gradient_scale=1.0 / hvd.size(), all_gather=hvd.allgather)
+            gradient_scale=1.0 / hvd.size(),
+            all_gather=hvd.allgather,
+        )
 
     def gradient_scale(self, optimizer) -> float:
         # Horovod's DistributedOptimizer divides the gradients of its local
@@ -102,7 +106,8 @@ class HorovodExchange(AllToAllExchange):
             raise UnsupportedOptimizerError(
                 "Horovod's DistributedOptimizer with backward_passes_per_step > 1 aggregates gradients locally, "
                 "which tfde's step buffers cannot follow (they hold one step's rows); use "
-                "backward_passes_per_step=1 and a larger batch")
+                "backward_passes_per_step=1 and a larger batch"
+            )
         # Set by Horovod's DistributedOptimizer when its compute_gradients
         # averaged this step's gradients (a Python flag: read while tracing),
         # and never reset by it: reset here, once per step.
@@ -147,8 +152,10 @@ def install():
     themselves (tfde.compat.tfra's HvdAllToAllEmbedding calls this)."""
     hvd = import_horovod()
     if not hvd.is_initialized():
-        raise ConfigError("Horovod is not initialised: call hvd.init() (or tfde.distributed.horovod.init(), which "
-                          "also installs tfde's exchange) before building tfde layers")
+        raise ConfigError(
+            "Horovod is not initialised: call hvd.init() (or tfde.distributed.horovod.init(), which "
+            "also installs tfde's exchange) before building tfde layers"
+        )
     current = exchange.installed()
     if isinstance(current, HorovodExchange) and current.size == hvd.size() and current.rank == hvd.rank():
         return hvd
@@ -173,14 +180,16 @@ class HorovodGuard(exchange.Engine):
             raise ConfigError(
                 f"Horovod runs {hvd.size()} workers but tfde's exchange is not installed, so tfde Variables "
                 "would train each worker's keys apart; call tfde.distributed.horovod.init() (it calls hvd.init()) "
-                "before building the model")
+                "before building the model"
+            )
         return None
 
     def check_optimizer(self, optimizer):
         if hasattr(optimizer, "register_local_var") and hasattr(optimizer, "_allreduce_grads"):
             raise UnsupportedOptimizerError(
                 "this optimizer is already Horovod's DistributedOptimizer; wrap in the other order: "
-                "hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(opt)) (see tfde.distributed.horovod)")
+                "hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(opt)) (see tfde.distributed.horovod)"
+            )
 
     def wrapping_hint(self):
         if "horovod.tensorflow" not in sys.modules:

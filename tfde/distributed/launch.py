@@ -40,8 +40,9 @@ def free_ports(n: int) -> List[int]:
 
 
 def tf_config(ports: List[int], index: int) -> str:
-    return json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
-                       "task": {"type": "worker", "index": index}})
+    return json.dumps(
+        {"cluster": {"worker": [f"localhost:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
+    )
 
 
 def run_local(argv: List[str], workers: int, engine: str = "mwms", env=None) -> int:
@@ -57,29 +58,51 @@ def run_local(argv: List[str], workers: int, engine: str = "mwms", env=None) -> 
             raise FileNotFoundError(
                 "horovodrun not found: install Horovod in this environment (HOROVOD_WITH_TENSORFLOW=1 "
                 "HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 pip install --no-build-isolation horovod==0.28.1; it "
-                "builds against TF <= 2.16) or use --engine mwms")
-        cmd = [horovodrun, "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
-               sys.executable, "-m", "tfde_cli", *argv]
+                "builds against TF <= 2.16) or use --engine mwms"
+            )
+        cmd = [
+            horovodrun,
+            "-np",
+            str(workers),
+            "-H",
+            f"localhost:{workers}",
+            "--gloo",
+            sys.executable,
+            "-m",
+            "tfde_cli",
+            *argv,
+        ]
         return subprocess.call(cmd, env=env)
     ports = free_ports(workers)
     logs = tempfile.mkdtemp(prefix="tfde-workers-")
     procs = []
     for i in range(workers):
         out = None if i == 0 else open(os.path.join(logs, f"worker-{i}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tfde_cli", *argv],
-                                      env={**env, "TF_CONFIG": tf_config(ports, i)}, stdout=out,
-                                      stderr=subprocess.STDOUT if out else None))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tfde_cli", *argv],
+                env={**env, "TF_CONFIG": tf_config(ports, i)},
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+            )
+        )
     if workers > 1:
-        print(f"started {workers} workers (MultiWorkerMirroredStrategy on ports {ports}); logs of workers "
-              f"1..{workers - 1}: {logs}", flush=True)
+        print(
+            f"started {workers} workers (MultiWorkerMirroredStrategy on ports {ports}); logs of workers "
+            f"1..{workers - 1}: {logs}",
+            flush=True,
+        )
     try:
         while True:
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, code = failed[0]
-                print(f"worker {i} exited with status {code}; stopping the others (log: "
-                      f"{'stdout' if i == 0 else os.path.join(logs, f'worker-{i}.log')})", file=sys.stderr)
+                print(
+                    f"worker {i} exited with status {code}; stopping the others (log: "
+                    f"{'stdout' if i == 0 else os.path.join(logs, f'worker-{i}.log')})",
+                    file=sys.stderr,
+                )
                 return code
             if all(c == 0 for c in codes):
                 return 0

@@ -54,7 +54,7 @@ class GatherExchange(exchange.Exchange):
         every = transport_keys(unique_keys, self._gather, lambda n: tf.reduce_max(self._gather(n[None])))
         union, index = tf.unique(every, out_idx=tf.int32)
         start = tf.reduce_sum(sizes[: self.rank])
-        mine = index[start:start + tf.shape(unique_keys)[0]]
+        mine = index[start : start + tf.shape(unique_keys)[0]]
         rows = find(union)
         rows = tf.where(self.owned(union)[:, None], rows, tf.zeros_like(rows))
         return union, self._sum(rows), mine
@@ -104,13 +104,15 @@ class DatasetGatherExchange(exchange.Exchange):
             raise ConfigError(
                 f"tfde cannot run collectives inside a tf.data function under {type(strategy).__name__}: it "
                 "reaches them through MultiWorkerMirroredStrategy with one device per worker; use a store all "
-                "workers share (table_creator=tfde.RedisTableCreator(...)), or read inside the training step")
+                "workers share (table_creator=tfde.RedisTableCreator(...)), or read inside the training step"
+            )
         if DatasetGatherExchange._sites >= self._MAX_SITES:
             raise ConfigError(
                 f"more than {self._MAX_SITES} tf.data functions read tfde Variables with each worker's own tables "
                 "in this process: each such read site takes a range of the strategy's collective keys. Read "
                 "the same Variable in fewer Dataset.map functions, or use a store all workers share "
-                "(table_creator=tfde.RedisTableCreator(...))")
+                "(table_creator=tfde.RedisTableCreator(...))"
+            )
         self._site = DatasetGatherExchange._sites
         DatasetGatherExchange._sites += 1
         self._group_key = launchers[0]._group_key
@@ -134,13 +136,21 @@ class DatasetGatherExchange(exchange.Exchange):
 
     def _collective(self, op, tensor, instance_key, **kwargs):
         with tf.device(self._device):
-            return exchange.measured(lambda t: op(input=t, group_size=self.size, group_key=self._group_key,
-                                          instance_key=instance_key, ordering_token=[],
-                                          timeout_seconds=self._timeout, **kwargs), tensor)
+            return exchange.measured(
+                lambda t: op(
+                    input=t,
+                    group_size=self.size,
+                    group_key=self._group_key,
+                    instance_key=instance_key,
+                    ordering_token=[],
+                    timeout_seconds=self._timeout,
+                    **kwargs,
+                ),
+                tensor,
+            )
 
     def rows_for(self, unique_keys, find):
-        return self._one_at_a_time.execute(lambda: self._rows_for(unique_keys, find),
-                                           exclusive_resource_access=False)
+        return self._one_at_a_time.execute(lambda: self._rows_for(unique_keys, find), exclusive_resource_access=False)
 
     def _rows_for(self, unique_keys, find):
         heads_key, blocks_key, rows_key = self._instance_keys()
@@ -157,18 +167,28 @@ class DatasetGatherExchange(exchange.Exchange):
             encoded = tf.concat([tf.reshape(tf.cast(codes, tf.int64), [-1, width - 1]), lengths[:, None]], 1)
         else:
             encoded = tf.pad(tf.cast(unique_keys, tf.int64)[:, None], [[0, 0], [0, width - 1]])
-        header = tf.pad(tf.stack([tf.constant(self._NONCE, tf.int64), count,
-                                  tf.constant(self._variable_id, tf.int64)])[None], [[0, 0], [0, width - 3]])
+        header = tf.pad(
+            tf.stack([tf.constant(self._NONCE, tf.int64), count, tf.constant(self._variable_id, tf.int64)])[None],
+            [[0, 0], [0, width - 3]],
+        )
         block = tf.concat([header, tf.pad(encoded, [[0, most - count], [0, 0]])], 0)  # [1 + most, width]
         blocks = tf.reshape(self._collective(gather, block, blocks_key), [self.size, -1, width])
         ours = tf.equal(blocks[:, 0, 0], self._NONCE)
         checks = [
-            tf.debugging.assert_equal(tf.math.count_nonzero(ours, dtype=tf.int32), 1, message=(
-                "tfde: a tf.data read's all-gather did not hold exactly one block of this worker")),
-            tf.debugging.assert_equal(blocks[:, 0, 2], tf.constant(self._variable_id, tf.int64), message=(
-                "tfde: the workers' tf.data reads that met in one collective read different Variables: the "
-                "tf.data functions that read tfde Variables were built in another order, or only on some "
-                "workers. Under MultiWorkerMirroredStrategy every worker builds them in the same order")),
+            tf.debugging.assert_equal(
+                tf.math.count_nonzero(ours, dtype=tf.int32),
+                1,
+                message=("tfde: a tf.data read's all-gather did not hold exactly one block of this worker"),
+            ),
+            tf.debugging.assert_equal(
+                blocks[:, 0, 2],
+                tf.constant(self._variable_id, tf.int64),
+                message=(
+                    "tfde: the workers' tf.data reads that met in one collective read different Variables: the "
+                    "tf.data functions that read tfde Variables were built in another order, or only on some "
+                    "workers. Under MultiWorkerMirroredStrategy every worker builds them in the same order"
+                ),
+            ),
         ]
         with tf.control_dependencies(checks):
             rank = tf.cast(tf.argmax(tf.cast(ours, tf.int32)), tf.int32)
@@ -181,20 +201,28 @@ class DatasetGatherExchange(exchange.Exchange):
             every = tf.cast(every[:, 0], unique_keys.dtype)
         union, index = tf.unique(every, out_idx=tf.int32)
         start = tf.cast(tf.reduce_sum(counts[:rank]), tf.int32)
-        mine = index[start:start + tf.cast(count, tf.int32)]
+        mine = index[start : start + tf.cast(count, tf.int32)]
         rows = find(union)
         rows = tf.where(tf.equal(exchange.owner(union, self.size), rank)[:, None], rows, tf.zeros_like(rows))
         carrier = tf.float64 if rows.dtype == tf.float64 else tf.float32  # exact for every row dtype
         fingerprint = self._fingerprint(union)
-        summed = self._collective(reduce, tf.concat([tf.reshape(tf.cast(rows, carrier), [-1]),
-                                                     tf.cast(fingerprint, carrier)], 0),
-                                  rows_key, merge_op="Add", final_op="Id")
+        summed = self._collective(
+            reduce,
+            tf.concat([tf.reshape(tf.cast(rows, carrier), [-1]), tf.cast(fingerprint, carrier)], 0),
+            rows_key,
+            merge_op="Add",
+            final_op="Id",
+        )
         check = tf.debugging.assert_equal(
-            tf.cast(summed[-self._FINGERPRINT:], tf.int64), fingerprint * self.size, message=(
+            tf.cast(summed[-self._FINGERPRINT :], tf.int64),
+            fingerprint * self.size,
+            message=(
                 "tfde: the workers' tf.data reads that met in one collective disagree on the keys they read; "
-                "see docs/lookups.md"))
+                "see docs/lookups.md"
+            ),
+        )
         with tf.control_dependencies([check]):
-            rows = tf.reshape(tf.cast(summed[:-self._FINGERPRINT], rows.dtype), tf.shape(rows))
+            rows = tf.reshape(tf.cast(summed[: -self._FINGERPRINT], rows.dtype), tf.shape(rows))
         return union, rows, mine
 
     @classmethod
@@ -207,8 +235,9 @@ class DatasetGatherExchange(exchange.Exchange):
         low = tf.reduce_sum(tf.bitwise.bitwise_and(h, 0xFFFFFF) * weights)
         high = tf.reduce_sum(tf.bitwise.bitwise_and(tf.bitwise.right_shift(h, 40), 0xFFFFFF) * (weights + 7))
         digest = tf.bitwise.bitwise_xor(low, tf.bitwise.left_shift(high, 5)) + tf.size(h, out_type=tf.int64)
-        return tf.stack([tf.bitwise.bitwise_and(tf.bitwise.right_shift(digest, 12 * i), 0xFFF)
-                         for i in range(cls._FINGERPRINT)])
+        return tf.stack(
+            [tf.bitwise.bitwise_and(tf.bitwise.right_shift(digest, 12 * i), 0xFFF) for i in range(cls._FINGERPRINT)]
+        )
 
 
 class TfDistributeEngine(exchange.Engine):
@@ -249,8 +278,10 @@ class TfDistributeEngine(exchange.Engine):
         if strategy is None or strategy.num_replicas_in_sync <= 1:
             return None
         if tf.distribute.has_strategy() and tf.distribute.get_replica_context() is not None:
-            raise ConfigError("restriction runs between training steps, not inside strategy.run; call it from the "
-                              "training loop (tfde.AutoRestrictor) or a Keras callback (RestrictCallback)")
+            raise ConfigError(
+                "restriction runs between training steps, not inside strategy.run; call it from the "
+                "training loop (tfde.AutoRestrictor) or a Keras callback (RestrictCallback)"
+            )
         if strategy not in _strategy_hosts:  # built once per strategy: tracing and a rank collective
             _strategy_hosts[strategy] = _strategy_host(strategy)
         return _strategy_hosts[strategy]
@@ -267,8 +298,7 @@ def _strategy_host(strategy) -> exchange.HostCollectives:
     def gather(t):
         # tf.identity places the input on the replica's device: the collective
         # refuses a tensor that has none ("destinations can not be empty").
-        return strategy.run(lambda x: tf.distribute.get_replica_context().all_gather(tf.identity(x), axis=0),
-                            args=(t,))
+        return strategy.run(lambda x: tf.distribute.get_replica_context().all_gather(tf.identity(x), axis=0), args=(t,))
 
     @tf.function
     def rank():
@@ -287,7 +317,8 @@ def _check_one_replica_per_process(strategy):
         raise ConfigError(
             f"tfde trains with one replica per process, but {type(strategy).__name__} runs "
             f"{len(devices)} replicas here ({', '.join(devices)}); use MultiWorkerMirroredStrategy with one device "
-            "per worker process (see the README, 'Distributed training')")
+            "per worker process (see the README, 'Distributed training')"
+        )
 
 
 exchange.register_engine(TfDistributeEngine())

@@ -30,8 +30,13 @@ class RestrictCallback(tf.keras.callbacks.Callback):
       >>> model.fit(data, callbacks=[tfde.keras.callbacks.RestrictCallback(max_size=1_000_000)])
     """
 
-    def __init__(self, every_n_steps: Optional[int] = None, max_size: Optional[int] = None,
-                 num_reserved: Optional[int] = None, variables=None):
+    def __init__(
+        self,
+        every_n_steps: Optional[int] = None,
+        max_size: Optional[int] = None,
+        num_reserved: Optional[int] = None,
+        variables=None,
+    ):
         super().__init__()
         self._args = dict(every_n_steps=every_n_steps, max_size=max_size, num_reserved=num_reserved)
         self._variables = variables
@@ -40,8 +45,10 @@ class RestrictCallback(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         variables = self._variables if self._variables is not None else _policy_variables(self.model)
         if not variables:
-            raise ConfigError("RestrictCallback found no tfde layer with a restrict_policy in the model; give the "
-                              "layers one (e.g. restrict_policy=tfde.FrequencyRestrictPolicy) or pass variables=")
+            raise ConfigError(
+                "RestrictCallback found no tfde layer with a restrict_policy in the model; give the "
+                "layers one (e.g. restrict_policy=tfde.FrequencyRestrictPolicy) or pass variables="
+            )
         self.restrictor = AutoRestrictor(variables, **self._args)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -69,8 +76,7 @@ class ModelCheckpoint(tf.keras.callbacks.Callback):
 
     def __init__(self, directory: str, save_freq="epoch", max_to_keep: Optional[int] = 5, restore: bool = False):
         super().__init__()
-        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
-                                     or save_freq < 1):
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
             raise ConfigError(f"save_freq must be 'epoch' or an int >= 1 (steps), got {save_freq!r}")
         self.directory, self.save_freq, self.max_to_keep, self.restore = directory, save_freq, max_to_keep, restore
         self.manager = None
@@ -81,8 +87,13 @@ class ModelCheckpoint(tf.keras.callbacks.Callback):
             strategy = getattr(self.model, "distribute_strategy", None)
             if strategy is not None and strategy.num_replicas_in_sync <= 1:
                 strategy = None
-            self.manager = CheckpointManager(self.directory, max_to_keep=self.max_to_keep, strategy=strategy,
-                                             model=self.model, optimizer=self.model.optimizer)
+            self.manager = CheckpointManager(
+                self.directory,
+                max_to_keep=self.max_to_keep,
+                strategy=strategy,
+                model=self.model,
+                optimizer=self.model.optimizer,
+            )
         return self.manager
 
     def on_train_begin(self, logs=None):

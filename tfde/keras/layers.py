@@ -7,7 +7,6 @@ Layer, so import tfde after setting that variable.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import tensorflow as tf
@@ -20,9 +19,7 @@ from tfde.keras.store import StoreReader, StoreWriter
 from tfde.lookup import COMBINERS, _combine, embedding_lookup, embedding_lookup_ragged, embedding_lookup_sparse
 from tfde.policy import FrequencyRestrictPolicy, TimestampRestrictPolicy, TTLPolicy
 from tfde.saving import state
-from tfde.tables.base import (TableCreator, cast_keys, creator_config, creator_from_config, exact_key_array,
-                              key_tensor)
-from tfde.tables.cuckoo import CuckooTableCreator
+from tfde.tables.base import TableCreator, cast_keys, creator_config, creator_from_config, exact_key_array, key_tensor
 from tfde.variable import Variable, is_step_buffer
 
 _keras = tf.keras
@@ -80,8 +77,10 @@ def _component_config(component):
 
 
 # The restrict policies and admission filters a layer config may name.
-_COMPONENTS = {cls.__name__: cls for cls in (FrequencyRestrictPolicy, TimestampRestrictPolicy, TTLPolicy,
-                                             CounterFilter, ProbabilityFilter)}
+_COMPONENTS = {
+    cls.__name__: cls
+    for cls in (FrequencyRestrictPolicy, TimestampRestrictPolicy, TTLPolicy, CounterFilter, ProbabilityFilter)
+}
 
 
 def _component_from_config(cfg):
@@ -89,8 +88,10 @@ def _component_from_config(cfg):
         return None
     cls = _COMPONENTS.get(cfg.get("class_name", ""))
     if cls is None:
-        raise ConfigError(f"unknown restrict policy or admission filter {cfg.get('class_name')!r} in a layer "
-                          f"config; expected one of tfde's: {', '.join(_COMPONENTS)}")
+        raise ConfigError(
+            f"unknown restrict policy or admission filter {cfg.get('class_name')!r} in a layer "
+            f"config; expected one of tfde's: {', '.join(_COMPONENTS)}"
+        )
     return cls(**cfg.get("config", {}))
 
 
@@ -103,12 +104,11 @@ _TFRA_ONLY_KWARGS = {
     "init_capacity": "presize the table with table_creator=tfde.CuckooTableCreator(expected_rows=N)",
     "devices": "tfde tables live in this process on the CPU; drop devices=",
     "distribute_strategy": "tfde uses the tf.distribute strategy in scope when the layer is made; drop "
-                           "distribute_strategy=",
+    "distribute_strategy=",
     "with_unique": "tfde always deduplicates ids before they reach the store; drop with_unique=",
-    "with_secondary_unique": "tfde always deduplicates ids before they reach the store; drop "
-                             "with_secondary_unique=",
+    "with_secondary_unique": "tfde always deduplicates ids before they reach the store; drop with_secondary_unique=",
     "mpi_size": "tfde takes the number of workers from the distributed engine that runs the job "
-                "(docs/distributed.md); drop mpi_size=",
+    "(docs/distributed.md); drop mpi_size=",
     "partitioner": "tfde routes keys to its num_shards= tables by its stable hash; drop partitioner=",
     "bp_v2": "tfde's training steps are synchronous and write each key once per step; drop bp_v2=",
     "max_norm": "tfde does not clip looked-up rows; drop max_norm= (clip in the model if you need to)",
@@ -128,7 +128,8 @@ def _refuse_tfra_kwargs(layer_class: str, kwargs: dict) -> None:
             f"tfde layer {layer_class} got TFRA keyword argument(s) {found}, which it does not take. {fixes}. "
             "Or keep the TFRA spelling and build the layer with tfde.compat.tfra "
             "(from tfde.compat.tfra import dynamic_embedding as de; de.keras.layers.Embedding(...)), which "
-            "translates it (docs/migrating-from-tfra.md)")
+            "translates it (docs/migrating-from-tfra.md)"
+        )
 
 
 @_keras.utils.register_keras_serializable(package="tfde")
@@ -158,10 +159,22 @@ class Embedding(_keras.layers.Layer):
       TensorShape([1, 2, 8])
     """
 
-    def __init__(self, embedding_size: int, key_dtype=tf.int64, value_dtype=tf.float32, initializer=None,
-                 combiner: Optional[str] = None, num_shards: int = 1, table_creator: Optional[TableCreator] = None,
-                 restrict_policy=None, admission_filter=None, seed: Optional[int] = None, name: Optional[str] = None,
-                 track_changes: bool = False, **kwargs):
+    def __init__(
+        self,
+        embedding_size: int,
+        key_dtype=tf.int64,
+        value_dtype=tf.float32,
+        initializer=None,
+        combiner: Optional[str] = None,
+        num_shards: int = 1,
+        table_creator: Optional[TableCreator] = None,
+        restrict_policy=None,
+        admission_filter=None,
+        seed: Optional[int] = None,
+        name: Optional[str] = None,
+        track_changes: bool = False,
+        **kwargs,
+    ):
         _refuse_tfra_kwargs(type(self).__name__, kwargs)
         kwargs.pop("dtype", None)
         kwargs.pop("autocast", None)
@@ -186,11 +199,20 @@ class Embedding(_keras.layers.Layer):
         self._initializer_arg = initializer
         self._creator_arg = table_creator
         self.supports_jit = False  # custom ops: no XLA
-        self.params = Variable(self.name, key_dtype=self.key_dtype, value_dtype=self.value_dtype,
-                               dim=embedding_size, initializer=initializer, seed=seed, num_shards=num_shards,
-                               table_creator=table_creator, restrict_policy=restrict_policy,
-                               admission_filter=admission_filter, trainable=self.trainable,
-                               track_changes=track_changes)
+        self.params = Variable(
+            self.name,
+            key_dtype=self.key_dtype,
+            value_dtype=self.value_dtype,
+            dim=embedding_size,
+            initializer=initializer,
+            seed=seed,
+            num_shards=num_shards,
+            table_creator=table_creator,
+            restrict_policy=restrict_policy,
+            admission_filter=admission_filter,
+            trainable=self.trainable,
+            track_changes=track_changes,
+        )
         self.embedding_size = self.params.dim  # an int (embedding_size may be a numpy integer)
         if self.params.trainable:
             self._track_step_buffer(self.params.step_buffer)
@@ -284,19 +306,21 @@ class Embedding(_keras.layers.Layer):
         config = super().get_config()
         config.pop("dtype", None)
         config.pop("autocast", None)  # always False (see __init__)
-        config.update({
-            "embedding_size": self.embedding_size,
-            "key_dtype": self.key_dtype.name,
-            "value_dtype": self.value_dtype.name,
-            "initializer": _serialize_initializer(self._initializer_arg),
-            "combiner": self.combiner,
-            "num_shards": self.num_shards,
-            "seed": self.seed,
-            "table_creator": creator_config(self._creator_arg),
-            "restrict_policy": _component_config(self.params.restrict_policy),
-            "admission_filter": _component_config(self.params.admission_filter),
-            "track_changes": self.params.changes is not None,
-        })
+        config.update(
+            {
+                "embedding_size": self.embedding_size,
+                "key_dtype": self.key_dtype.name,
+                "value_dtype": self.value_dtype.name,
+                "initializer": _serialize_initializer(self._initializer_arg),
+                "combiner": self.combiner,
+                "num_shards": self.num_shards,
+                "seed": self.seed,
+                "table_creator": creator_config(self._creator_arg),
+                "restrict_policy": _component_config(self.params.restrict_policy),
+                "admission_filter": _component_config(self.params.admission_filter),
+                "track_changes": self.params.changes is not None,
+            }
+        )
         return config
 
     @classmethod

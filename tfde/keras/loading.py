@@ -40,8 +40,10 @@ def saved_keras_version(filepath) -> Optional[str]:
         with zipfile.ZipFile(path) as archive:
             meta = json.loads(archive.read("metadata.json"))
     except (KeyError, ValueError, zipfile.BadZipFile) as e:
-        raise CheckpointError(f"{path} is not a Keras model file (no readable metadata.json: {e}); save it "
-                              "with model.save(path) to a path ending in .keras") from None
+        raise CheckpointError(
+            f"{path} is not a Keras model file (no readable metadata.json: {e}); save it "
+            "with model.save(path) to a path ending in .keras"
+        ) from None
     version = meta.get("keras_version")
     return str(version) if version is not None else None
 
@@ -61,7 +63,8 @@ def check_saved_by_this_keras(filepath) -> None:
     if (saved >= 3) != (running >= 3):
         raise CheckpointError(
             f"{os.fspath(filepath)} was saved by {keras_flavour_name(saved)} (keras_version {version}), but this "
-            f"process runs {keras_flavour_name(running)}, which cannot read its model config; {flavour_fix(saved)}")
+            f"process runs {keras_flavour_name(running)}, which cannot read its model config; {flavour_fix(saved)}"
+        )
 
 
 def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs):

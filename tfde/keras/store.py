@@ -55,18 +55,21 @@ class StoreReader(fmt.ChunkReader):
         try:
             return np.asarray(self.store[name])
         except KeyError:
-            raise CheckpointError(f"{self.where}: entry {name!r} is missing; the file is incomplete or "
-                                  "belongs to another model") from None
+            raise CheckpointError(
+                f"{self.where}: entry {name!r} is missing; the file is incomplete or belongs to another model"
+            ) from None
 
     def read(self, stream, i, key_dtype, value_dtype):
         if key_dtype == tf.string:
             lens = self._get(f"{stream}.keylens.{i}").astype(np.int64)
             raw = self._get(f"{stream}.keybytes.{i}").tobytes()
             if int(lens.sum()) != len(raw):
-                raise CheckpointError(f"{self.where}: chunk {i} of {stream!r} has {len(raw)} key bytes, its "
-                                      f"lengths say {int(lens.sum())}; the file is corrupted")
+                raise CheckpointError(
+                    f"{self.where}: chunk {i} of {stream!r} has {len(raw)} key bytes, its "
+                    f"lengths say {int(lens.sum())}; the file is corrupted"
+                )
             ends = np.cumsum(lens)
-            keys = tf.constant(np.array([raw[e - n:e] for n, e in zip(lens, ends)], dtype=object), tf.string)
+            keys = tf.constant(np.array([raw[e - n : e] for n, e in zip(lens, ends)], dtype=object), tf.string)
         else:
             keys = tf.constant(self._get(f"{stream}.keys.{i}"), key_dtype)
         rows = self._get(f"{stream}.rows.{i}")

@@ -46,6 +46,7 @@ def chunk_rows(dim: int, dtype: tf.DType) -> int:
 @dataclasses.dataclass
 class StreamMeta:
     """One stream: its table family's shape and what was written."""
+
     dim: int
     value_dtype: str
     initial: Optional[float]  # what a missing key of a slot reads (None: rows)
@@ -62,6 +63,7 @@ class VariableMeta:
     its rows are that worker's shard only (`sharded`: local tables of a
     distributed job) or whole.  A checkpoint written by several workers is
     only complete with every worker's bundle (tfde.saving.CheckpointManager)."""
+
     variable: str
     key_dtype: str
     streams: Dict[str, StreamMeta]
@@ -82,7 +84,8 @@ class VariableMeta:
             if version != FORMAT_VERSION:
                 raise CheckpointError(
                     f"{where} was written in tfde checkpoint format {version}, this tfde reads format "
-                    f"{FORMAT_VERSION}; restore it with the tfde version that wrote it and re-save")
+                    f"{FORMAT_VERSION}; restore it with the tfde version that wrote it and re-save"
+                )
             raw["streams"] = {k: StreamMeta(**v) for k, v in raw["streams"].items()}
             return cls(**raw)
         except CheckpointError:
@@ -137,6 +140,7 @@ class ChunkWriter:
 class ChunkReader:
     """Where restore_variable reads them; `where` names the file in errors,
     `base` the Variable's name inside it."""
+
     where: str
     base: str = ""
 
@@ -159,8 +163,9 @@ class BundleWriter(ChunkWriter):
     def _save(self, tensors: Dict[str, tf.Tensor]) -> None:
         prefix = self._next()
         names = sorted(tensors)
-        tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),
-                          tensors=[tensors[n] for n in names])
+        tf.raw_ops.SaveV2(
+            prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=[tensors[n] for n in names]
+        )
         self.prefixes.append(tf.constant(prefix))
 
     def write(self, stream, i, keys, rows):
@@ -179,25 +184,36 @@ class BundleReader(ChunkReader):
 
     def _tensor(self, name: str, dtype: tf.DType, missing_ok: bool = False):
         try:
-            return tf.raw_ops.RestoreV2(prefix=self.prefix, tensor_names=[name], shape_and_slices=[""],
-                                        dtypes=[dtype])[0]
+            return tf.raw_ops.RestoreV2(prefix=self.prefix, tensor_names=[name], shape_and_slices=[""], dtypes=[dtype])[
+                0
+            ]
         except tf.errors.NotFoundError as e:
             if missing_ok:
                 return None
-            raise CheckpointError(f"{self.where}: tensor {name!r} is missing ({_first_line(e)}); the checkpoint "
-                                  "is incomplete or belongs to another model") from None
-        except (tf.errors.DataLossError, tf.errors.OutOfRangeError, tf.errors.InvalidArgumentError,
-                tf.errors.FailedPreconditionError) as e:
-            raise CheckpointError(f"{self.where}: reading {name!r} failed: {_first_line(e)}. The file is "
-                                  "truncated or corrupted; restore an earlier checkpoint") from None
+            raise CheckpointError(
+                f"{self.where}: tensor {name!r} is missing ({_first_line(e)}); the checkpoint "
+                "is incomplete or belongs to another model"
+            ) from None
+        except (
+            tf.errors.DataLossError,
+            tf.errors.OutOfRangeError,
+            tf.errors.InvalidArgumentError,
+            tf.errors.FailedPreconditionError,
+        ) as e:
+            raise CheckpointError(
+                f"{self.where}: reading {name!r} failed: {_first_line(e)}. The file is "
+                "truncated or corrupted; restore an earlier checkpoint"
+            ) from None
 
     def meta(self):
         raw = self._tensor(f"{self.base}/.tfde", tf.string, missing_ok=True)
         return None if raw is None else VariableMeta.from_json(raw.numpy().decode(), self.where)
 
     def read(self, stream, i, key_dtype, value_dtype):
-        return (self._tensor(tensor_name(self.base, stream, "keys", i), key_dtype),
-                self._tensor(tensor_name(self.base, stream, "rows", i), value_dtype))
+        return (
+            self._tensor(tensor_name(self.base, stream, "keys", i), key_dtype),
+            self._tensor(tensor_name(self.base, stream, "rows", i), value_dtype),
+        )
 
 
 def write_stream(writer: ChunkWriter, stream: str, sm: StreamMeta, chunks) -> None:
@@ -214,8 +230,9 @@ def write_stream(writer: ChunkWriter, stream: str, sm: StreamMeta, chunks) -> No
         sm.rows += n
 
 
-def read_stream(reader: ChunkReader, stream: str, meta: VariableMeta, key_dtype: tf.DType,
-                value_dtype: tf.DType) -> Iterator[Tuple[tf.Tensor, tf.Tensor]]:
+def read_stream(
+    reader: ChunkReader, stream: str, meta: VariableMeta, key_dtype: tf.DType, value_dtype: tf.DType
+) -> Iterator[Tuple[tf.Tensor, tf.Tensor]]:
     """(keys, rows) chunks of one stream, each checked against the meta
     (shape, CRC32, row count) before it is handed out."""
     sm = meta.streams[stream]
@@ -223,13 +240,18 @@ def read_stream(reader: ChunkReader, stream: str, meta: VariableMeta, key_dtype:
     for i in range(sm.chunks):
         keys, rows = reader.read(stream, i, key_dtype, value_dtype)
         if rows.shape.rank != 2 or rows.shape[1] != sm.dim or rows.shape[0] != keys.shape[0]:
-            raise CheckpointError(f"{reader.where}: chunk {i} of {stream!r} has {keys.shape[0]} keys and rows of "
-                                  f"shape {rows.shape}, expected [{keys.shape[0]}, {sm.dim}]; the file is corrupted")
+            raise CheckpointError(
+                f"{reader.where}: chunk {i} of {stream!r} has {keys.shape[0]} keys and rows of "
+                f"shape {rows.shape}, expected [{keys.shape[0]}, {sm.dim}]; the file is corrupted"
+            )
         if sm.crc32 and chunk_crc(keys.numpy(), rows.numpy()) != sm.crc32[i]:
-            raise CheckpointError(f"{reader.where}: chunk {i} of {stream!r} of Variable {meta.variable!r} fails "
-                                  "its CRC32 check; the file is corrupted, restore an earlier checkpoint")
+            raise CheckpointError(
+                f"{reader.where}: chunk {i} of {stream!r} of Variable {meta.variable!r} fails "
+                "its CRC32 check; the file is corrupted, restore an earlier checkpoint"
+            )
         total += int(keys.shape[0])
         yield keys, rows
     if total != sm.rows:
-        raise CheckpointError(f"{reader.where}: stream {stream!r} holds {total} rows, its metadata says {sm.rows}; "
-                              "the file is corrupted")
+        raise CheckpointError(
+            f"{reader.where}: stream {stream!r} holds {total} rows, its metadata says {sm.rows}; the file is corrupted"
+        )

@@ -137,20 +137,25 @@ class CheckpointManager:
 
     def __init__(self, directory: str, max_to_keep: Optional[int] = 5, strategy=None, **objects):
         if not objects:
-            raise ConfigError("CheckpointManager needs the objects to save, e.g. "
-                              "CheckpointManager(dir, model=model, optimizer=model.optimizer)")
-        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
-                                        or max_to_keep < 1):
+            raise ConfigError(
+                "CheckpointManager needs the objects to save, e.g. "
+                "CheckpointManager(dir, model=model, optimizer=model.optimizer)"
+            )
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
             raise ConfigError(f"max_to_keep must be an int >= 1 or None (keep all), got {max_to_keep!r}")
         self.directory = os.fspath(directory)
         self.max_to_keep = max_to_keep
         self._objects = objects
-        self._strategy = strategy if strategy is not None else (
-            tf.distribute.get_strategy() if tf.distribute.has_strategy() else None)
+        self._strategy = (
+            strategy
+            if strategy is not None
+            else (tf.distribute.get_strategy() if tf.distribute.has_strategy() else None)
+        )
         self._checkpoint = tf.train.Checkpoint(**objects)
 
     # ------------------------------------------------------------ state
-
 
     def _state(self) -> dict:
         path = os.path.join(self.directory, STATE_FILE)
@@ -160,8 +165,10 @@ class CheckpointManager:
             with open(path) as f:
                 state = json.load(f)
         except ValueError as e:
-            raise CheckpointError(f"{path} is not valid JSON ({e}); it is corrupted. Delete it to start over, "
-                                  "or restore a checkpoint directory by path") from None
+            raise CheckpointError(
+                f"{path} is not valid JSON ({e}); it is corrupted. Delete it to start over, "
+                "or restore a checkpoint directory by path"
+            ) from None
         if state.get("format") != FORMAT_VERSION:
             raise CheckpointError(f"{path} has format {state.get('format')!r}, this tfde reads {FORMAT_VERSION}")
         return state
@@ -235,7 +242,8 @@ class CheckpointManager:
         raise CheckpointError(
             f"the {len(ids)} workers save checkpoints to {len(set(ids))} directories ({self.directory!r} here): "
             "some share one and some do not. Give all workers one shared directory (a checkpoint that restores "
-            "into any number of workers), or each worker a directory of its own, e.g. with its rank in the path")
+            "into any number of workers), or each worker a directory of its own, e.g. with its rank in the path"
+        )
 
     def _remove_leftovers(self) -> None:
         """Removes what crashed saves left: `.partial` directories, temporary
@@ -259,8 +267,11 @@ class CheckpointManager:
         suffix = 0
         while True:
             name = f"ckpt-{step:09d}" + (f"-{suffix}" if suffix else "")
-            if name not in named and not os.path.lexists(os.path.join(self.directory, name)) \
-                    and not os.path.lexists(os.path.join(self.directory, name + PARTIAL)):
+            if (
+                name not in named
+                and not os.path.lexists(os.path.join(self.directory, name))
+                and not os.path.lexists(os.path.join(self.directory, name + PARTIAL))
+            ):
                 return suffix
             suffix += 1
 
@@ -281,7 +292,8 @@ class CheckpointManager:
                     f"worker {w}'s files are not in {partial}: the workers do not share {self.directory!r} (each "
                     "sees a directory of its own, e.g. on its own disk), so this checkpoint would be incomplete. "
                     "Give every worker the same directory on a filesystem they share, or each worker a directory "
-                    "path of its own (e.g. with its rank in it)")
+                    "path of its own (e.g. with its rank in it)"
+                )
         files = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
         for f in files:
             with open(os.path.join(partial, f), "rb") as fh:
@@ -298,9 +310,12 @@ class CheckpointManager:
         kept = [c for c in state["checkpoints"] if _step_of(c) != step] + [name]
         dropped = [c for c in state["checkpoints"] if _step_of(c) == step]
         if self.max_to_keep is not None and len(kept) > self.max_to_keep:
-            dropped, kept = dropped + kept[:-self.max_to_keep], kept[-self.max_to_keep:]
-        write_atomic(os.path.join(self.directory, STATE_FILE),
-                     json.dumps({"format": FORMAT_VERSION, "latest": name, "checkpoints": kept}, indent=1), point)
+            dropped, kept = dropped + kept[: -self.max_to_keep], kept[-self.max_to_keep :]
+        write_atomic(
+            os.path.join(self.directory, STATE_FILE),
+            json.dumps({"format": FORMAT_VERSION, "latest": name, "checkpoints": kept}, indent=1),
+            point,
+        )
         for old in dropped:  # only after the state file no longer names them
             point()
             shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
@@ -337,7 +352,8 @@ def _refuse_unbuilt_keras3_models(objects) -> None:
             raise ConfigError(
                 f"{name} ({type(obj).__name__}) is not built yet, and Keras 3 cannot restore a checkpoint into "
                 "layers it builds later; call the model on one batch first (a functional model is built "
-                "already), then restore()")
+                "already), then restore()"
+            )
 
 
 def _directory_id(directory: str) -> int:
@@ -354,8 +370,10 @@ def read_manifest(path: str, worker=None):
     same size only."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.exists(manifest_path):
-        raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete tfde checkpoint (a save that "
-                              "did not finish, or another kind of directory)")
+        raise CheckpointError(
+            f"{path} has no {MANIFEST}: it is not a complete tfde checkpoint (a save that "
+            "did not finish, or another kind of directory)"
+        )
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
@@ -363,16 +381,19 @@ def read_manifest(path: str, worker=None):
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{manifest_path} is unreadable ({e}); the checkpoint is corrupted") from None
     if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{manifest_path} has format {manifest.get('format')!r}, this tfde reads "
-                              f"{FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{manifest_path} has format {manifest.get('format')!r}, this tfde reads {FORMAT_VERSION}"
+        )
     for name, size in files.items():
         file = os.path.join(path, name)
         if not os.path.exists(file):
             raise CheckpointError(f"{file} is missing from the checkpoint; it was deleted or not copied")
         actual = os.path.getsize(file)
         if actual != size:
-            raise CheckpointError(f"{file} has {actual} bytes, the manifest says {size}: the file is truncated or "
-                                  "was replaced; restore an earlier checkpoint")
+            raise CheckpointError(
+                f"{file} has {actual} bytes, the manifest says {size}: the file is truncated or "
+                "was replaced; restore an earlier checkpoint"
+            )
     writers = list(range(workers))
     if "writers" in manifest:
         writers = [int(w) for w in manifest["writers"]]
@@ -382,6 +403,9 @@ def read_manifest(path: str, worker=None):
                 f"{path} holds the part of worker {', '.join(map(str, writers))} of a job of {workers} workers that "
                 "each saved to a directory of its own; it restores only into worker "
                 f"{', '.join(map(str, writers))} of a job of {workers} (this is worker {rank} of {size}). To restore "
-                "into another number of workers, save to one directory all workers share")
-    return [(_worker_prefix(path, r, workers), os.path.basename(_worker_prefix(path, r, workers)) + f" in {path}")
-            for r in writers]
+                "into another number of workers, save to one directory all workers share"
+            )
+    return [
+        (_worker_prefix(path, r, workers), os.path.basename(_worker_prefix(path, r, workers)) + f" in {path}")
+        for r in writers
+    ]

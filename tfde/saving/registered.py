@@ -53,7 +53,8 @@ def _eager_path(tensor, what: str) -> str:
         raise CheckpointError(
             f"tfde Variables are {what} eagerly (their tables stream to disk chunk by chunk), but this {what} "
             "runs inside a tf.function or a SavedModel export; save with tf.train.Checkpoint / model.save / "
-            "save_weights from eager code, and export for serving with tfde.export_for_serving")
+            "save_weights from eager code, and export for serving with tfde.export_for_serving"
+        )
     return tensor.numpy().decode() if hasattr(tensor, "numpy") else str(tensor)
 
 
@@ -62,7 +63,7 @@ def _save(trackables, file_prefix):
     # file_prefix is "<checkpoint prefix>-tfde.Variable"; the chunk bundles go
     # to TensorFlow's temporary directory of this checkpoint, which the merge
     # empties and removes (and which a crash leaves behind harmlessly).
-    root = prefix[:-len("-" + SAVER_NAME)] if prefix.endswith("-" + SAVER_NAME) else prefix
+    root = prefix[: -len("-" + SAVER_NAME)] if prefix.endswith("-" + SAVER_NAME) else prefix
     next_prefix = state.prefix_counter(f"{root}_temp/tfde")
     prefixes = []
     for object_name, var in sorted(trackables.items()):
@@ -73,8 +74,7 @@ def _save(trackables, file_prefix):
 
 
 def _restore(trackables, merged_prefix):
-    trackables = {name: var for name, var in trackables.items()
-                  if getattr(var, "_update_uid", None) not in _refused}
+    trackables = {name: var for name, var in trackables.items() if getattr(var, "_update_uid", None) not in _refused}
     prefix = _eager_path(merged_prefix, "restored")
     sources = _sources.get(prefix) or [(prefix, prefix)]
     for object_name, var in sorted(trackables.items()):
@@ -121,8 +121,9 @@ class OptimizerSlots(python_state.PythonState):
             saved = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
             saved_optimizer, saved_slots = str(saved["optimizer"]), sorted(map(str, saved["slots"]))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            return CheckpointError(f"{where}: the record of the optimizer's tfde slots is unreadable ({e}); the "
-                                   "file is corrupted")
+            return CheckpointError(
+                f"{where}: the record of the optimizer's tfde slots is unreadable ({e}); the file is corrupted"
+            )
         optimizer, slots = self._slots()
         if saved_slots == slots:
             return None
@@ -134,7 +135,8 @@ class OptimizerSlots(python_state.PythonState):
             f"{where}: the checkpoint's optimizer ({saved_optimizer}) keeps the slots [{names(saved_slots)}] for "
             f"tfde rows, but the optimizer restoring it ({optimizer}) keeps [{names(slots)}]: its state would be "
             "the wrong optimizer's. Restore into a model compiled with the optimizer the checkpoint was written "
-            f"with ({saved_optimizer} with the same options). Nothing was restored")
+            f"with ({saved_optimizer} with the same options). Nothing was restored"
+        )
 
     def deserialize(self, string_value) -> None:
         error = self.mismatch(string_value, "the checkpoint")
@@ -199,7 +201,8 @@ def _is_variable(obj) -> bool:
 def register() -> None:
     """Registers the saver (once; tfde's import does it)."""
     try:
-        registration.register_checkpoint_saver(package="tfde", name="Variable", predicate=_is_variable,
-                                               save_fn=_save, restore_fn=_restore)
+        registration.register_checkpoint_saver(
+            package="tfde", name="Variable", predicate=_is_variable, save_fn=_save, restore_fn=_restore
+        )
     except ValueError:  # already registered (module reloaded)
         pass

@@ -44,10 +44,14 @@ def _input_signature(model, input_signature):
         return list(input_signature) if isinstance(input_signature, (list, tuple)) else [input_signature]
     inputs = getattr(model, "inputs", None)
     if not inputs:
-        raise ConfigError("the model has no recorded inputs (a subclassed model); pass input_signature=, e.g. "
-                          "[tf.TensorSpec([None], tf.int64, name='user_id')] or a dict of TensorSpecs")
-    specs = [tf.TensorSpec(tuple(i.shape), tf.as_dtype(i.dtype), name=getattr(i, "name", None) and
-                           str(i.name).split(":")[0]) for i in inputs]
+        raise ConfigError(
+            "the model has no recorded inputs (a subclassed model); pass input_signature=, e.g. "
+            "[tf.TensorSpec([None], tf.int64, name='user_id')] or a dict of TensorSpecs"
+        )
+    specs = [
+        tf.TensorSpec(tuple(i.shape), tf.as_dtype(i.dtype), name=getattr(i, "name", None) and str(i.name).split(":")[0])
+        for i in inputs
+    ]
     return [specs] if len(specs) > 1 else specs
 
 
@@ -65,8 +69,13 @@ def _lookup(var):
 
 def _writers(table, var):
     """tf.functions saved with the model: apply an incremental export."""
-    @tf.function(input_signature=[tf.TensorSpec([None], var.key_dtype, name="keys"),
-                                  tf.TensorSpec([None, var.dim], var.value_dtype, name="rows")])
+
+    @tf.function(
+        input_signature=[
+            tf.TensorSpec([None], var.key_dtype, name="keys"),
+            tf.TensorSpec([None, var.dim], var.value_dtype, name="rows"),
+        ]
+    )
     def upsert(keys, rows):
         with tf.control_dependencies([table.insert(keys, rows)]):
             return tf.size(keys, out_type=tf.int64)
@@ -96,8 +105,10 @@ def export_for_serving(model, path: str, input_signature=None, rows: str = "embe
     Returns a summary: {"variables": [{"name", "rows", "dim", "source", ...}], "path"}.
     """
     if rows not in ("embedded", "store"):
-        raise ConfigError(f"rows must be 'embedded' (rows copied into the SavedModel) or 'store' (Redis tables "
-                          f"read live), got {rows!r}")
+        raise ConfigError(
+            f"rows must be 'embedded' (rows copied into the SavedModel) or 'store' (Redis tables "
+            f"read live), got {rows!r}"
+        )
     variables = model_variables(model)
     if not variables:
         raise ConfigError(f"{type(model).__name__} uses no tfde Variable; export it with tf.saved_model.save")
@@ -106,8 +117,13 @@ def export_for_serving(model, path: str, input_signature=None, rows: str = "embe
     sources, embedded, info = [], [], []
     with tf.init_scope():
         for i, var in enumerate(variables):
-            entry = {"index": i, "name": var.name, "dim": var.dim, "key_dtype": var.key_dtype.name,
-                     "value_dtype": var.value_dtype.name}
+            entry = {
+                "index": i,
+                "name": var.name,
+                "dim": var.dim,
+                "key_dtype": var.key_dtype.name,
+                "value_dtype": var.value_dtype.name,
+            }
             views = [t.serving_view() for t in var.tables] if rows == "store" else []
             if views and all(v is not None for v in views):
                 sources.append(views)
@@ -158,6 +174,7 @@ def export_for_serving(model, path: str, input_signature=None, rows: str = "embe
 
 # ---------------------------------------------------------------- incremental
 
+
 def _variables_of(model_or_variables) -> list:
     if isinstance(model_or_variables, Variable):
         return [model_or_variables]
@@ -178,26 +195,40 @@ def export_changes(model_or_variables, since: int, path: str) -> Dict:
     variables = _variables_of(model_or_variables)
     untracked = [v.name for v in variables if v.changes is None]
     if untracked:
-        raise ConfigError(f"Variables {untracked} do not track changes; create them (or their layers) with "
-                          "track_changes=True to export increments")
+        raise ConfigError(
+            f"Variables {untracked} do not track changes; create them (or their layers) with "
+            "track_changes=True to export increments"
+        )
     next_prefix = prefix_counter(f"{path}_temp/part")
     prefixes, summary, until = [], [], int(since)
     for i, var in enumerate(variables):
         writer = fmt.BundleWriter(f"_tfde/changes/{i}", next_prefix)
-        meta = fmt.VariableMeta(var.name, var.key_dtype.name, {
-            "rows": fmt.StreamMeta(var.dim, var.value_dtype.name, None),
-            "evicted": fmt.StreamMeta(1, "float64", None)})
-        parts = [("rows", var.changes.changed(since)),
-                 ("evicted", ((k, tf.zeros([tf.size(k), 1], tf.float64)) for k in var.changes.removed(since)))]
+        meta = fmt.VariableMeta(
+            var.name,
+            var.key_dtype.name,
+            {
+                "rows": fmt.StreamMeta(var.dim, var.value_dtype.name, None),
+                "evicted": fmt.StreamMeta(1, "float64", None),
+            },
+        )
+        parts = [
+            ("rows", var.changes.changed(since)),
+            ("evicted", ((k, tf.zeros([tf.size(k), 1], tf.float64)) for k in var.changes.removed(since))),
+        ]
         for stream, chunks in parts:
             fmt.write_stream(writer, stream, meta.streams[stream], chunks)
         writer.finish(meta)
         prefixes.extend(writer.prefixes)
         until = max(until, int(var.changes.clock.numpy()))
-        summary.append({"index": i, "name": var.name, "changed": meta.streams["rows"].rows,
-                        "removed": meta.streams["evicted"].rows})
-    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=tf.stack(prefixes), destination_prefix=path,
-                                  delete_old_dirs=True)
+        summary.append(
+            {
+                "index": i,
+                "name": var.name,
+                "changed": meta.streams["rows"].rows,
+                "removed": meta.streams["evicted"].rows,
+            }
+        )
+    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=tf.stack(prefixes), destination_prefix=path, delete_old_dirs=True)
     info = {"format": fmt.FORMAT_VERSION, "since": int(since), "until": until, "variables": summary}
     write_atomic(f"{path}.json", json.dumps(info, indent=1))
     return info
@@ -217,9 +248,12 @@ def read_changes(path: str):
             raise CheckpointError(f"{path}: no changes for Variable {entry['name']!r}; the file is incomplete")
         key_dtype = tf.as_dtype(meta.key_dtype)
         rows_dtype = tf.as_dtype(meta.streams["rows"].value_dtype)
-        yield (entry["index"], entry["name"],
-               fmt.read_stream(reader, "rows", meta, key_dtype, rows_dtype),
-               (k for k, _ in fmt.read_stream(reader, "evicted", meta, key_dtype, tf.float64)))
+        yield (
+            entry["index"],
+            entry["name"],
+            fmt.read_stream(reader, "rows", meta, key_dtype, rows_dtype),
+            (k for k, _ in fmt.read_stream(reader, "evicted", meta, key_dtype, tf.float64)),
+        )
 
 
 def apply_changes(serving, path: str) -> Dict[str, int]:
@@ -231,8 +265,10 @@ def apply_changes(serving, path: str) -> Dict[str, int]:
     done = {}
     for index, name, upserts, removals in read_changes(path):
         if index >= len(names) or names[index] != name:
-            raise CheckpointError(f"{path} holds changes of Variable {name!r} at position {index}, but the serving "
-                                  f"model's Variables are {names}; export changes from the model it serves")
+            raise CheckpointError(
+                f"{path} holds changes of Variable {name!r} at position {index}, but the serving "
+                f"model's Variables are {names}; export changes from the model it serves"
+            )
         if entries[index].get("source") == "store":  # read live from its store: nothing to apply
             done[name] = 0
             continue

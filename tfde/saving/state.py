@@ -71,8 +71,9 @@ def save_variable(var, writer: fmt.ChunkWriter) -> None:
     meta as `external`, one per save, so every checkpoint keeps its dump)."""
     rank, size = worker_of(var)
     shared = var.tables[0].shared_between_workers
-    meta = fmt.VariableMeta(var.name, var.key_dtype.name, {}, worker=rank, workers=size,
-                            sharded=size > 1 and not shared)
+    meta = fmt.VariableMeta(
+        var.name, var.key_dtype.name, {}, worker=rank, workers=size, sharded=size > 1 and not shared
+    )
     meta_writer, external = writer, files_dir(var)
     if external is not None:
         os.makedirs(external, exist_ok=True)
@@ -88,21 +89,26 @@ def save_variable(var, writer: fmt.ChunkWriter) -> None:
             fmt.write_stream(writer, stream, sm, chunks)
     if external is not None:
         writer.finish(meta)
-        tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=tf.stack(writer.prefixes),
-                                      destination_prefix=meta.external, delete_old_dirs=True)
+        tf.raw_ops.MergeV2Checkpoints(
+            checkpoint_prefixes=tf.stack(writer.prefixes), destination_prefix=meta.external, delete_old_dirs=True
+        )
     meta_writer.finish(meta)
 
 
 def _check_compatible(var, meta: fmt.VariableMeta, where: str) -> None:
     if meta.key_dtype != var.key_dtype.name:
-        raise CheckpointError(f"{where}: Variable {meta.variable!r} was saved with {meta.key_dtype} keys, but "
-                              f"{var.name!r} has {var.key_dtype.name} keys; restore into a Variable created with "
-                              f"key_dtype={meta.key_dtype}")
+        raise CheckpointError(
+            f"{where}: Variable {meta.variable!r} was saved with {meta.key_dtype} keys, but "
+            f"{var.name!r} has {var.key_dtype.name} keys; restore into a Variable created with "
+            f"key_dtype={meta.key_dtype}"
+        )
     rows = meta.streams.get("rows")
     if rows is not None and (rows.dim != var.dim or rows.value_dtype != var.value_dtype.name):
-        raise CheckpointError(f"{where}: Variable {meta.variable!r} was saved with rows of dim {rows.dim} "
-                              f"({rows.value_dtype}), but {var.name!r} holds dim {var.dim} "
-                              f"({var.value_dtype.name}); create it with the saved dim and dtype")
+        raise CheckpointError(
+            f"{where}: Variable {meta.variable!r} was saved with rows of dim {rows.dim} "
+            f"({rows.value_dtype}), but {var.name!r} holds dim {var.dim} "
+            f"({var.value_dtype.name}); create it with the saved dim and dtype"
+        )
 
 
 def _check_complete(metas: Sequence[Tuple[str, fmt.VariableMeta]], rank: int, size: int) -> None:
@@ -125,7 +131,8 @@ def _check_complete(metas: Sequence[Tuple[str, fmt.VariableMeta]], rank: int, si
             f"files. This is worker {rank} of {size}: a shard restores alone only into the worker that wrote it, "
             "in a job of as many workers. Restore with tfde.saving.CheckpointManager (or "
             "tfde.keras.callbacks.ModelCheckpoint) from the directory all workers saved to, which holds every "
-            "worker's files, or from this worker's own directory when each worker saved to one")
+            "worker's files, or from this worker's own directory when each worker saved to one"
+        )
 
 
 def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
@@ -145,14 +152,18 @@ def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
         if meta is not None:
             if meta.external:  # the rows are in a dump of their own (table_store_mode 1)
                 if not os.path.exists(meta.external + ".index"):
-                    raise CheckpointError(f"{reader.where} keeps the rows of {meta.variable!r} in {meta.external}, "
-                                          "which is missing; it was deleted or model_lib_abs_dir moved")
+                    raise CheckpointError(
+                        f"{reader.where} keeps the rows of {meta.variable!r} in {meta.external}, "
+                        "which is missing; it was deleted or model_lib_abs_dir moved"
+                    )
                 reader = fmt.BundleReader(meta.external, reader.base, where=meta.external)
             _check_compatible(var, meta, reader.where)
             metas.append((reader, reader.where, meta))
     if not metas:
-        raise CheckpointError(f"{readers[0].where if readers else 'the checkpoint'}: no tfde state for Variable "
-                              f"{var.name!r}; the checkpoint belongs to another model")
+        raise CheckpointError(
+            f"{readers[0].where if readers else 'the checkpoint'}: no tfde state for Variable "
+            f"{var.name!r}; the checkpoint belongs to another model"
+        )
     rank, size = worker_of(var)
     _check_complete([(w, m) for _, w, m in metas], rank, size)
     if not in_checkpoints(var) or not any(m.streams for _, _, m in metas):
@@ -165,8 +176,9 @@ def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
         host = exchange.host_collectives(var._strategy)
         error = _first_error(lambda: _validate(var, targets, metas))
         if host.total(int(error is not None)):
-            raise error or CheckpointError(f"another worker refused to restore {var.name!r} (see its error); "
-                                           "nothing was changed")
+            raise error or CheckpointError(
+                f"another worker refused to restore {var.name!r} (see its error); nothing was changed"
+            )
         _create_slots(var, targets, metas)
         if rank == 0:
             _clear(targets.values())
@@ -185,8 +197,10 @@ def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
                     keys, rows = _owned(keys, rows, rank, size)
                     target.upsert(keys, rows)
     except CheckpointError as e:  # the files changed between the two passes
-        raise CheckpointError(f"{e} (the file changed during the restore, which had already replaced "
-                              f"{var.name!r}'s tables: they are incomplete; restore again)") from None
+        raise CheckpointError(
+            f"{e} (the file changed during the restore, which had already replaced "
+            f"{var.name!r}'s tables: they are incomplete; restore again)"
+        ) from None
     if shared and size > 1:
         exchange.barrier(var._strategy)
     for hook in (var.restrict_policy, var.changes):
@@ -201,8 +215,9 @@ def _create_slots(var, targets, metas) -> None:
     for _, _, meta in metas:
         for stream, sm in meta.streams.items():
             if stream.startswith("slot:") and stream not in targets:
-                targets[stream] = var.slot(stream[len("slot:"):], sm.initial, dim=sm.dim,
-                                           value_dtype=tf.as_dtype(sm.value_dtype))
+                targets[stream] = var.slot(
+                    stream[len("slot:") :], sm.initial, dim=sm.dim, value_dtype=tf.as_dtype(sm.value_dtype)
+                )
 
 
 def _first_error(fn) -> Optional[Exception]:
@@ -228,12 +243,15 @@ def _validate(var, targets, metas) -> None:
                 raise CheckpointError(
                     f"{where}: stream {stream!r} of Variable {meta.variable!r} holds rows of dim {sm.dim} "
                     f"({sm.value_dtype}), but {target.name!r} holds dim {target.dim} ({target.value_dtype.name}); "
-                    "restore into a Variable made with the same optimizer, policy and admission filter")
+                    "restore into a Variable made with the same optimizer, policy and admission filter"
+                )
             try:
                 value_dtype = tf.as_dtype(sm.value_dtype)
             except TypeError:
-                raise CheckpointError(f"{where}: stream {stream!r} has value dtype {sm.value_dtype!r}, which is "
-                                      "not a TensorFlow dtype; the file is corrupted") from None
+                raise CheckpointError(
+                    f"{where}: stream {stream!r} has value dtype {sm.value_dtype!r}, which is "
+                    "not a TensorFlow dtype; the file is corrupted"
+                ) from None
             for _ in fmt.read_stream(reader, stream, meta, var.key_dtype, value_dtype):
                 pass
 

@@ -6,5 +6,14 @@ from tfde.tables.redis_config import RedisTableConfig
 from tfde.tables.redis_table import RedisTable, RedisTableCreator
 from tfde.tables.reference import ReferenceTable, ReferenceTableCreator
 
-__all__ = ["Table", "TableCreator", "CuckooTable", "CuckooTableCreator", "ReferenceTable",
-           "ReferenceTableCreator", "RedisTable", "RedisTableConfig", "RedisTableCreator"]
+__all__ = [
+    "Table",
+    "TableCreator",
+    "CuckooTable",
+    "CuckooTableCreator",
+    "ReferenceTable",
+    "ReferenceTableCreator",
+    "RedisTable",
+    "RedisTableConfig",
+    "RedisTableCreator",
+]

@@ -240,8 +240,9 @@ def creator_from_config(config) -> Optional[TableCreator]:
         return config
     kind = config.get("class_name", "CuckooTableCreator")
     if kind not in _CREATORS:
-        raise ConfigError(f"unknown table creator {kind!r} in a layer config; expected one of "
-                          f"{', '.join(sorted(_CREATORS))}")
+        raise ConfigError(
+            f"unknown table creator {kind!r} in a layer config; expected one of {', '.join(sorted(_CREATORS))}"
+        )
     return _CREATORS[kind].from_config(dict(config.get("config", {})))
 
 
@@ -252,12 +253,17 @@ def check_same_count(keys: tf.Tensor, rows: tf.Tensor, what: str) -> list:
     n_keys, n_rows = keys.shape[0] if keys.shape.rank else None, rows.shape[0] if rows.shape.rank else None
     if n_keys is not None and n_rows is not None:
         if n_keys != n_rows:
-            raise ShapeError(f"{n_keys} keys but {n_rows} rows for {what}; give one row per key "
-                             f"(values of shape [{n_keys}, dim])")
+            raise ShapeError(
+                f"{n_keys} keys but {n_rows} rows for {what}; give one row per key (values of shape [{n_keys}, dim])"
+            )
         return []
-    return [tf.debugging.assert_equal(tf.size(keys, out_type=tf.int64), tf.shape(rows, out_type=tf.int64)[0],
-                                      message=f"the number of keys and rows differ for {what}; give one row "
-                                              "per key")]
+    return [
+        tf.debugging.assert_equal(
+            tf.size(keys, out_type=tf.int64),
+            tf.shape(rows, out_type=tf.int64)[0],
+            message=f"the number of keys and rows differ for {what}; give one row per key",
+        )
+    ]
 
 
 # Key conversion is exact.  tf.convert_to_tensor
@@ -276,19 +282,25 @@ def _key_range(key_dtype: tf.DType) -> Tuple[int, int]:
 
 def _out_of_range(value, key_dtype: tf.DType, table_name: str):
     lo, hi = _key_range(key_dtype)
-    return ShapeError(f"key {value!r} for table {table_name!r} is outside the range of its key dtype "
-                      f"{key_dtype.name}, [{lo}, {hi}]; converting it would wrap around to another key. Map or "
-                      f"hash the ids into that range, or create the table with key_dtype=tf.int64")
+    return ShapeError(
+        f"key {value!r} for table {table_name!r} is outside the range of its key dtype "
+        f"{key_dtype.name}, [{lo}, {hi}]; converting it would wrap around to another key. Map or "
+        f"hash the ids into that range, or create the table with key_dtype=tf.int64"
+    )
 
 
 def _not_whole(value, key_dtype: tf.DType, table_name: str, whole_floats: bool):
     if whole_floats:
-        return ShapeError(f"key {value!r} for table {table_name!r} is not a whole number; its ids must be "
-                          f"integers ({key_dtype.name}): a float id would be truncated to another key")
-    return ShapeError(f"keys for table {table_name!r} must be integers ({key_dtype.name}), got the float "
-                      f"{value!r}; floats are refused even when whole (1.0) because a fraction would be truncated "
-                      f"to another key: cast whole-number ids yourself, e.g. "
-                      f"np.asarray(ids).astype(np.{key_dtype.name})")
+        return ShapeError(
+            f"key {value!r} for table {table_name!r} is not a whole number; its ids must be "
+            f"integers ({key_dtype.name}): a float id would be truncated to another key"
+        )
+    return ShapeError(
+        f"keys for table {table_name!r} must be integers ({key_dtype.name}), got the float "
+        f"{value!r}; floats are refused even when whole (1.0) because a fraction would be truncated "
+        f"to another key: cast whole-number ids yourself, e.g. "
+        f"np.asarray(ids).astype(np.{key_dtype.name})"
+    )
 
 
 def exact_key_array(keys, key_dtype: tf.DType, table_name: str, whole_floats: bool = False) -> np.ndarray:
@@ -307,8 +319,9 @@ def exact_key_array(keys, key_dtype: tf.DType, table_name: str, whole_floats: bo
         try:
             arr = np.array(keys, dtype=object)
         except (TypeError, ValueError) as e:
-            raise ShapeError(f"keys for table {table_name!r} must be {key_dtype.name}; could not convert "
-                             f"{type(keys).__name__}: {e}") from None
+            raise ShapeError(
+                f"keys for table {table_name!r} must be {key_dtype.name}; could not convert {type(keys).__name__}: {e}"
+            ) from None
     if arr.size == 0:
         return np.zeros(arr.shape, np_dtype)
     kind = arr.dtype.kind
@@ -316,10 +329,13 @@ def exact_key_array(keys, key_dtype: tf.DType, table_name: str, whole_floats: bo
         flat = arr.ravel()
         for k in flat:
             if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Real):
-                hint = "; for string ids create the table with key_dtype=tf.string" if isinstance(k, (str, bytes)) \
-                    else ""
-                raise ShapeError(f"keys for table {table_name!r} must be integers ({key_dtype.name}), got "
-                                 f"{k!r} ({type(k).__name__}){hint}")
+                hint = (
+                    "; for string ids create the table with key_dtype=tf.string" if isinstance(k, (str, bytes)) else ""
+                )
+                raise ShapeError(
+                    f"keys for table {table_name!r} must be integers ({key_dtype.name}), got "
+                    f"{k!r} ({type(k).__name__}){hint}"
+                )
             if not isinstance(k, numbers.Integral):
                 if not whole_floats or not math.isfinite(k) or not float(k).is_integer():
                     raise _not_whole(k, key_dtype, table_name, whole_floats)
@@ -335,16 +351,22 @@ def exact_key_array(keys, key_dtype: tf.DType, table_name: str, whole_floats: bo
         arr = arr.astype(np.float64)  # holds every float16/32 value exactly; compared without overflow
         whole = np.isfinite(arr) & (np.floor(arr) == arr)
         if not whole_floats or not whole.all():
-            raise _not_whole(arr.ravel()[np.argmin(whole.ravel()) if not whole.all() else 0].item(), key_dtype,
-                             table_name, whole_floats)
+            raise _not_whole(
+                arr.ravel()[np.argmin(whole.ravel()) if not whole.all() else 0].item(),
+                key_dtype,
+                table_name,
+                whole_floats,
+            )
         # lo and hi + 1 are powers of two: exact in every float dtype.
         outside = (arr < lo) | (arr >= float(hi + 1))
         if outside.any():
             raise _out_of_range(arr.ravel()[np.argmax(outside.ravel())].item(), key_dtype, table_name)
         return arr.astype(np_dtype)
     what = "booleans" if kind == "b" else f"{arr.dtype} values"
-    raise ShapeError(f"keys for table {table_name!r} must be integers ({key_dtype.name}), got {what}"
-                     + ("; for string ids create the table with key_dtype=tf.string" if kind in "US" else ""))
+    raise ShapeError(
+        f"keys for table {table_name!r} must be integers ({key_dtype.name}), got {what}"
+        + ("; for string ids create the table with key_dtype=tf.string" if kind in "US" else "")
+    )
 
 
 def key_tensor(keys, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
@@ -354,15 +376,18 @@ def key_tensor(keys, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
     (exact_key_array; no floats)."""
     if isinstance(keys, (tf.Tensor, tf.Variable)) or tf.is_tensor(keys):
         if keys.dtype != key_dtype:
-            raise ShapeError(f"keys for table {table_name!r} are {keys.dtype.name}, expected {key_dtype.name}; "
-                             + _cast_hint(keys.dtype, key_dtype))
+            raise ShapeError(
+                f"keys for table {table_name!r} are {keys.dtype.name}, expected {key_dtype.name}; "
+                + _cast_hint(keys.dtype, key_dtype)
+            )
         return keys
     if key_dtype == tf.string:
         try:
             return tf.convert_to_tensor(keys, dtype=tf.string)
         except (TypeError, ValueError) as e:
-            raise ShapeError(f"keys for table {table_name!r} must be strings; could not convert "
-                             f"{type(keys).__name__}: {e}") from None
+            raise ShapeError(
+                f"keys for table {table_name!r} must be strings; could not convert {type(keys).__name__}: {e}"
+            ) from None
     if isinstance(keys, (list, tuple)) and any(tf.is_tensor(k) for k in tf.nest.flatten(keys)):
         return key_tensor(tf.convert_to_tensor(keys), key_dtype, table_name)  # a list of tensors: stacked
     return tf.constant(exact_key_array(keys, key_dtype, table_name))
@@ -371,8 +396,10 @@ def key_tensor(keys, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
 def _cast_hint(seen: tf.DType, key_dtype: tf.DType) -> str:
     if key_dtype == tf.string:
         if seen.is_integer:
-            return ("format the ids as strings first (tf.strings.as_string), or create the table with "
-                    f"key_dtype=tf.{seen.name}")
+            return (
+                "format the ids as strings first (tf.strings.as_string), or create the table with "
+                f"key_dtype=tf.{seen.name}"
+            )
         return "give string ids"
     if seen == tf.string:
         return "hash the strings (tf.strings.to_hash_bucket_fast) or create the table with key_dtype=tf.string"
@@ -380,10 +407,14 @@ def _cast_hint(seen: tf.DType, key_dtype: tf.DType) -> str:
         lo, hi = _key_range(key_dtype)
         if lo <= seen.min and seen.max <= hi:
             return f"cast them with tf.cast(keys, tf.{key_dtype.name}) (exact: every {seen.name} fits)"
-        return (f"tf.cast(keys, {key_dtype.name}) is safe only for ids in [{lo}, {hi}] (it wraps others to "
-                f"another key); or create the table with key_dtype=tf.int64")
-    return (f"ids must be integers; tf.cast would truncate fractions to another key: round or hash them "
-            f"explicitly, then cast to {key_dtype.name}")
+        return (
+            f"tf.cast(keys, {key_dtype.name}) is safe only for ids in [{lo}, {hi}] (it wraps others to "
+            f"another key); or create the table with key_dtype=tf.int64"
+        )
+    return (
+        f"ids must be integers; tf.cast would truncate fractions to another key: round or hash them "
+        f"explicitly, then cast to {key_dtype.name}"
+    )
 
 
 def cast_keys(keys: tf.Tensor, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
@@ -396,8 +427,10 @@ def cast_keys(keys: tf.Tensor, key_dtype: tf.DType, table_name: str) -> tf.Tenso
     if keys.dtype == key_dtype:
         return keys
     if not key_dtype.is_integer or not (keys.dtype.is_integer or keys.dtype.is_floating):
-        raise ShapeError(f"ids for table {table_name!r} are {keys.dtype.name}, expected {key_dtype.name}; "
-                         + _cast_hint(keys.dtype, key_dtype))
+        raise ShapeError(
+            f"ids for table {table_name!r} are {keys.dtype.name}, expected {key_dtype.name}; "
+            + _cast_hint(keys.dtype, key_dtype)
+        )
     lo, hi = _key_range(key_dtype)
     if keys.dtype.is_integer and lo <= keys.dtype.min and keys.dtype.max <= hi:
         return tf.cast(keys, key_dtype)  # a narrower int dtype: always exact
@@ -421,9 +454,14 @@ def cast_keys(keys: tf.Tensor, key_dtype: tf.DType, table_name: str) -> tf.Tenso
     check = tf.debugging.Assert(
         tf.reduce_all(ok),
         # The table's name unquoted: the Assert message escapes quotes.
-        [f"tfde: ids for table {table_name} ({keys.dtype.name}) must be whole numbers in the range of its key "
-         f"dtype {key_dtype.name}, [{lo}, {hi}] (a cast would truncate or wrap them to another key); map or hash "
-         "them into that range, or create the table with key_dtype=tf.int64. Refused ids:", bad], summarize=5)
+        [
+            f"tfde: ids for table {table_name} ({keys.dtype.name}) must be whole numbers in the range of its key "
+            f"dtype {key_dtype.name}, [{lo}, {hi}] (a cast would truncate or wrap them to another key); map or hash "
+            "them into that range, or create the table with key_dtype=tf.int64. Refused ids:",
+            bad,
+        ],
+        summarize=5,
+    )
     with tf.control_dependencies([check]):
         return tf.cast(tf.identity(keys), key_dtype)
 
@@ -447,6 +485,8 @@ def as_rows(values, value_dtype: tf.DType, dim: int, table_name: str, what: str 
             raise ShapeError(f"{what} for table {table_name!r} are {values.dtype.name}, expected {value_dtype.name}")
     shape = values.shape
     if shape.rank is not None and (shape.rank != 2 or (shape[1] is not None and shape[1] != dim)):
-        raise ShapeError(f"{what} for table {table_name!r} must have shape [n, {dim}], got {shape}; "
-                         f"the table holds rows of dim {dim}")
+        raise ShapeError(
+            f"{what} for table {table_name!r} must have shape [n, {dim}], got {shape}; "
+            f"the table holds rows of dim {dim}"
+        )
     return values

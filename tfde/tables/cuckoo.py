@@ -17,8 +17,16 @@ from tensorflow.python.trackable import resource as trackable_resource
 
 from tfde import _native
 from tfde.errors import CapacityError, ConfigError, from_op_error
-from tfde.tables.base import (Table, TableCreator, as_keys, as_rows, check_dtypes, int_arg, native_missing_args,
-                              register_creator)
+from tfde.tables.base import (
+    Table,
+    TableCreator,
+    as_keys,
+    as_rows,
+    check_dtypes,
+    int_arg,
+    native_missing_args,
+    register_creator,
+)
 
 _uid = itertools.count()
 # The presized layout of backends/cuckoo/cuckoo_table.h (kNumShards shards;
@@ -61,7 +69,7 @@ def machine_memory_bytes() -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2 ** 30:.1f} GiB"
+    return f"{n / 2**30:.1f} GiB"
 
 
 def check_expected_rows(name, key_dtype, value_dtype, dim, expected_rows) -> None:
@@ -73,14 +81,16 @@ def check_expected_rows(name, key_dtype, value_dtype, dim, expected_rows) -> Non
         raise CapacityError(
             f"expected_rows={expected_rows} for table {name!r} is more than one cuckoo table can hold "
             f"({_CORE_SHARDS} internal shards of at most {_MAX_ROWS_PER_SHARD} rows); spread the Variable over "
-            "more tables (num_shards=) and ask for fewer rows per table")
+            "more tables (num_shards=) and ask for fewer rows per table"
+        )
     need, have = presized_bytes(key_dtype, value_dtype, dim, expected_rows), machine_memory_bytes()
     if need > have:
         raise CapacityError(
             f"expected_rows={expected_rows} for table {name!r} ({key_dtype.name} -> {value_dtype.name}[{dim}]) "
             f"needs {need} bytes ({_gib(need)}) allocated up front, but this machine has {have} bytes "
             f"({_gib(have)}) of memory; pass a smaller expected_rows (it is per table: every shard and optimizer "
-            "slot of a Variable gets one), or 0 to grow on demand")
+            "slot of a Variable gets one), or 0 to grow on demand"
+        )
 
 
 def _capacity_errors(method):
@@ -98,9 +108,11 @@ def _capacity_errors(method):
                 raise
             found = from_op_error(e)
             text = found if found is not e else e.message
-            raise CapacityError(f"cuckoo table {self.name!r} ({self.key_dtype.name} -> {self.value_dtype.name}"
-                                f"[{self.dim}]) cannot take more rows: {text}. Free memory, or spread the "
-                                "Variable over more tables or processes") from None
+            raise CapacityError(
+                f"cuckoo table {self.name!r} ({self.key_dtype.name} -> {self.value_dtype.name}"
+                f"[{self.dim}]) cannot take more rows: {text}. Free memory, or spread the "
+                "Variable over more tables or processes"
+            ) from None
 
     return run
 
@@ -128,8 +140,12 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
 
     def _create_resource(self):
         return self._ops.tfde_cuckoo_table(
-            key_dtype=self.key_dtype, value_dtype=self.value_dtype, dim=self.dim,
-            expected_rows=self._expected_rows, shared_name=self._shared_name)
+            key_dtype=self.key_dtype,
+            value_dtype=self.value_dtype,
+            dim=self.dim,
+            expected_rows=self._expected_rows,
+            shared_name=self._shared_name,
+        )
 
     def _destroy_resource(self):
         tf.raw_ops.DestroyResourceOp(resource=self.resource_handle, ignore_lookup_error=True)
@@ -173,8 +189,13 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
     @_capacity_errors
     def export_chunk(self, cursor, max_rows):
         return self._ops.tfde_table_export(
-            self.resource_handle, tf.cast(cursor, tf.int64), tf.cast(max_rows, tf.int64),
-            dim=self.dim, Tkey=self.key_dtype, Tvalue=self.value_dtype)
+            self.resource_handle,
+            tf.cast(cursor, tf.int64),
+            tf.cast(max_rows, tf.int64),
+            dim=self.dim,
+            Tkey=self.key_dtype,
+            Tvalue=self.value_dtype,
+        )
 
     # Checkpoints save Variables, not tables: a Variable streams all its
     # tables (tfde/saving).  Serving exports embed whole tables
@@ -193,8 +214,13 @@ class SavedByValueCuckooTable(CuckooTable):
 
     def _serialize_to_tensors(self):
         keys, values, _ = self._ops.tfde_table_export(
-            self.resource_handle, tf.constant(0, tf.int64), tf.constant(2 ** 62, tf.int64),
-            dim=self.dim, Tkey=self.key_dtype, Tvalue=self.value_dtype)
+            self.resource_handle,
+            tf.constant(0, tf.int64),
+            tf.constant(2**62, tf.int64),
+            dim=self.dim,
+            Tkey=self.key_dtype,
+            Tvalue=self.value_dtype,
+        )
         return {"keys": keys, "values": values}
 
     def _restore_from_tensors(self, restored_tensors):

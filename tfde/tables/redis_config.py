@@ -7,9 +7,8 @@ field and the expected form.  Passwords never appear in repr() or errors.
 
 from __future__ import annotations
 
-import hashlib
-
 import dataclasses
+import hashlib
 import json
 import os
 import warnings
@@ -20,8 +19,12 @@ from tfde.errors import ConfigError
 ENV_VAR = "TFDE_REDIS_CONFIG"  # names a config file when no path or dict is given
 # Timeouts in milliseconds; each must be 1..MAX_TIMEOUT_MS (the native client
 # passes them to poll() and SO_RCVTIMEO as a C int).
-TIMEOUT_FIELDS = ("redis_connect_timeout", "redis_socket_timeout", "redis_sentinel_connect_timeout",
-                  "redis_sentinel_socket_timeout")
+TIMEOUT_FIELDS = (
+    "redis_connect_timeout",
+    "redis_socket_timeout",
+    "redis_sentinel_connect_timeout",
+    "redis_sentinel_socket_timeout",
+)
 MAX_TIMEOUT_MS = 2**31 - 1
 
 
@@ -105,16 +108,20 @@ class RedisTableConfig:
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
         if self.redis_connection_mode not in (0, 1, 2):
-            raise ConfigError(f"redis_connection_mode must be 0 (cluster), 1 (sentinel) or 2 (standalone), "
-                              f"got {self.redis_connection_mode}")
+            raise ConfigError(
+                f"redis_connection_mode must be 0 (cluster), 1 (sentinel) or 2 (standalone), "
+                f"got {self.redis_connection_mode}"
+            )
         if not self.redis_host_ip:
-            raise ConfigError("redis_host_ip is empty; expected at least one host, e.g. [\"127.0.0.1\"]")
+            raise ConfigError('redis_host_ip is empty; expected at least one host, e.g. ["127.0.0.1"]')
         if len(self.redis_host_port) == 1 and len(self.redis_host_ip) > 1:
             object.__setattr__(self, "redis_host_port", self.redis_host_port * len(self.redis_host_ip))
         if len(self.redis_host_port) != len(self.redis_host_ip):
-            raise ConfigError(f"redis_host_port has {len(self.redis_host_port)} entries for "
-                              f"{len(self.redis_host_ip)} hosts in redis_host_ip; give one port per host or a "
-                              "single port for all")
+            raise ConfigError(
+                f"redis_host_port has {len(self.redis_host_port)} entries for "
+                f"{len(self.redis_host_ip)} hosts in redis_host_ip; give one port per host or a "
+                "single port for all"
+            )
         for port in self.redis_host_port:
             if not 1 <= port <= 65535:
                 raise ConfigError(f"redis_host_port {port} is out of range; expected 1..65535")
@@ -123,30 +130,36 @@ class RedisTableConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         # 0 keeps its TFRA meaning in these (database 0; never expire; no
         # limit on fields tfde does not use); only negatives are refused.
-        for name in ("redis_db", "expire_model_tag_in_seconds", "redis_wait_timeout",
-                     "redis_connection_lifetime"):
+        for name in ("redis_db", "expire_model_tag_in_seconds", "redis_wait_timeout", "redis_connection_lifetime"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in TIMEOUT_FIELDS:
             value = getattr(self, name)
             if value < 1:
-                raise ConfigError(f"{name} must be a timeout of at least 1 millisecond, got {value}; tfde has no "
-                                  "\"no timeout\" (a lost server must surface as an error): give the milliseconds "
-                                  f"to wait, e.g. \"{name}\": 1000")
+                raise ConfigError(
+                    f"{name} must be a timeout of at least 1 millisecond, got {value}; tfde has no "
+                    '"no timeout" (a lost server must surface as an error): give the milliseconds '
+                    f'to wait, e.g. "{name}": 1000'
+                )
             if value > MAX_TIMEOUT_MS:
                 raise ConfigError(f"{name} {value} is too large; expected at most {MAX_TIMEOUT_MS} milliseconds")
         if self.storage_slice > 4096:
             raise ConfigError(f"storage_slice {self.storage_slice} is too large; expected at most 4096 buckets")
-        for tags_name, slices in (("redis_hash_tags_runtime", self.storage_slice),
-                                  ("redis_hash_tags_import", self.storage_slice_import)):
+        for tags_name, slices in (
+            ("redis_hash_tags_runtime", self.storage_slice),
+            ("redis_hash_tags_import", self.storage_slice_import),
+        ):
             tags = getattr(self, tags_name)
             if tags and len(tags) != slices:
-                raise ConfigError(f"{tags_name} has {len(tags)} tags for {slices} buckets; expected one tag per "
-                                  f"bucket, e.g. {[f'{{{i}}}' for i in range(slices)]}")
+                raise ConfigError(
+                    f"{tags_name} has {len(tags)} tags for {slices} buckets; expected one tag per "
+                    f"bucket, e.g. {[f'{{{i}}}' for i in range(slices)]}"
+                )
             for tag in tags:
                 if not (tag.startswith("{") and tag.endswith("}") and len(tag) > 2):
-                    raise ConfigError(f"{tags_name} entry {tag!r} is not a Redis hash tag; expected the form "
-                                      "\"{name}\"")
+                    raise ConfigError(
+                        f'{tags_name} entry {tag!r} is not a Redis hash tag; expected the form "{{name}}"'
+                    )
         if self.table_store_mode not in (0, 1, 2):
             raise ConfigError(f"table_store_mode must be 0, 1 or 2, got {self.table_store_mode}")
         if not self.model_tag_runtime:
@@ -177,16 +190,18 @@ class RedisTableConfig:
             with open(path) as f:
                 text = f.read()
         except FileNotFoundError:
-            raise ConfigError(f"Redis config file {path!r} does not exist; pass the path of a JSON file like "
-                              "configs/redis.json") from None
+            raise ConfigError(
+                f"Redis config file {path!r} does not exist; pass the path of a JSON file like configs/redis.json"
+            ) from None
         except OSError as e:
             raise ConfigError(f"Redis config file {path!r} cannot be read: {e.strerror}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             hint = " (JSON has no comments: remove // or # lines)" if ("//" in text or "#" in text) else ""
-            raise ConfigError(f"Redis config file {path!r} is not valid JSON at line {e.lineno} column "
-                              f"{e.colno}: {e.msg}{hint}") from None
+            raise ConfigError(
+                f"Redis config file {path!r} is not valid JSON at line {e.lineno} column {e.colno}: {e.msg}{hint}"
+            ) from None
         return cls.from_dict(data, source=path)
 
     @classmethod
@@ -229,7 +244,7 @@ class RedisTableConfig:
 
 
 def default_hash_tags(storage_slice: int) -> Tuple[str, ...]:
-    """"{0}", "{1}", ...: one Redis Cluster hash tag per bucket."""
+    """ "{0}", "{1}", ...: one Redis Cluster hash tag per bucket."""
     return tuple(f"{{{i}}}" for i in range(storage_slice))
 
 

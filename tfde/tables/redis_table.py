@@ -49,21 +49,31 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base
 
-from tfde._defaults import REDIS_BACKOFF_BASE_S, REDIS_BACKOFF_MAX_S, REDIS_RETRIES
 from tfde import _native
-from tfde.errors import (REDIS_ERROR_KINDS, BackendError, BackendUnavailableError, CapacityError, ConfigError,
-                         CredentialsError, ShapeError, TfdeError, from_op_error, graph_message, redis_error_kind,
-                         tf_code)
+from tfde._defaults import REDIS_BACKOFF_BASE_S, REDIS_BACKOFF_MAX_S, REDIS_RETRIES
+from tfde.errors import (
+    REDIS_ERROR_KINDS,
+    BackendError,
+    BackendUnavailableError,
+    CapacityError,
+    ConfigError,
+    CredentialsError,
+    ShapeError,
+    TfdeError,
+    from_op_error,
+    graph_message,
+    redis_error_kind,
+    tf_code,
+)
 from tfde.hashing import route_low_np, stable_hash, stable_hash_np, stable_hash_py
 from tfde.initializers import InitSpec
-from tfde.tables.base import (Table, TableCreator, as_keys, as_rows, check_dtypes, native_missing_args,
-                              register_creator)
+from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes, native_missing_args, register_creator
 from tfde.tables.redis_config import RedisTableConfig
 
 FORMAT_VERSION = 1
-RETRIES = REDIS_RETRIES                 # attempts after the first failure of a Redis call
-BACKOFF_BASE_S = REDIS_BACKOFF_BASE_S   # first retry delay in seconds; doubles each retry
-BACKOFF_MAX_S = REDIS_BACKOFF_MAX_S     # longest delay between retries, seconds
+RETRIES = REDIS_RETRIES  # attempts after the first failure of a Redis call
+BACKOFF_BASE_S = REDIS_BACKOFF_BASE_S  # first retry delay in seconds; doubles each retry
+BACKOFF_MAX_S = REDIS_BACKOFF_MAX_S  # longest delay between retries, seconds
 # Hints of the errors below; backends/redis/ops.cc Fail says the same.
 _OUT_OF_MEMORY_HINT = "free memory on the server or raise its maxmemory, then run the step again"
 _CREDENTIALS_HINT = "check redis_user and redis_password in the Redis config"
@@ -73,6 +83,8 @@ def backoff_s(failures: int) -> float:
     """Seconds to wait before the next attempt after `failures` (1, 2, ...)
     failures in a row: BACKOFF_BASE_S doubling, at most BACKOFF_MAX_S."""
     return min(BACKOFF_BASE_S * 2.0 ** (failures - 1), BACKOFF_MAX_S)
+
+
 _VALUE_KIND = {tf.float32: "f", tf.float64: "d", tf.float16: "h", tf.bfloat16: "b"}
 
 # Adds deltas to rows atomically on the server.  KEYS[1]: the bucket hash;
@@ -143,16 +155,19 @@ def _connect(cfg: RedisTableConfig):
     """(writer, reader) clients for the config's connection mode; the reader
     is a replica when redis_read_access_slave is set (reads may then lag
     writes), else the writer itself."""
-    import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     # tfde retries whole operations itself (RedisTable._call), so redis-py's
     # own per-command retries are switched off: one policy, documented.
-    common = dict(retry=Retry(NoBackoff(), 0), username=cfg.redis_user or None,
-                  password=cfg.redis_password or None,
-                  socket_connect_timeout=cfg.redis_connect_timeout / 1000.0,
-                  socket_timeout=cfg.redis_socket_timeout / 1000.0, socket_keepalive=cfg.redis_connect_keep_alive)
+    common = dict(
+        retry=Retry(NoBackoff(), 0),
+        username=cfg.redis_user or None,
+        password=cfg.redis_password or None,
+        socket_connect_timeout=cfg.redis_connect_timeout / 1000.0,
+        socket_timeout=cfg.redis_socket_timeout / 1000.0,
+        socket_keepalive=cfg.redis_connect_keep_alive,
+    )
     servers = list(zip(cfg.redis_host_ip, cfg.redis_host_port))
     # Every new connection checks that the tables opened through it are
     # still there (_TableWatch); RedisCluster runs its own handshake first.
@@ -167,36 +182,53 @@ def _connect_clients(cfg: RedisTableConfig, common: dict, servers, watch):
     import redis
 
     if cfg.redis_connection_mode == 2:
-        client = redis.Redis(host=servers[0][0], port=servers[0][1], db=cfg.redis_db,
-                             max_connections=cfg.redis_conn_pool_size, **common)
+        client = redis.Redis(
+            host=servers[0][0], port=servers[0][1], db=cfg.redis_db, max_connections=cfg.redis_conn_pool_size, **common
+        )
         return client, client
     if cfg.redis_connection_mode == 1:
         from redis.sentinel import Sentinel
 
-        sentinel = Sentinel(servers, sentinel_kwargs=dict(
-            username=cfg.redis_sentinel_user or None, password=cfg.redis_sentinel_password or None,
-            socket_connect_timeout=cfg.redis_sentinel_connect_timeout / 1000.0,
-            socket_timeout=cfg.redis_sentinel_socket_timeout / 1000.0), db=cfg.redis_db, **common)
+        sentinel = Sentinel(
+            servers,
+            sentinel_kwargs=dict(
+                username=cfg.redis_sentinel_user or None,
+                password=cfg.redis_sentinel_password or None,
+                socket_connect_timeout=cfg.redis_sentinel_connect_timeout / 1000.0,
+                socket_timeout=cfg.redis_sentinel_socket_timeout / 1000.0,
+            ),
+            db=cfg.redis_db,
+            **common,
+        )
         writer = sentinel.master_for(cfg.redis_master_name)
-        reader = (sentinel.slave_for(cfg.redis_master_name, redis_connect_func=watch.reading)
-                  if cfg.redis_read_access_slave else writer)
+        reader = (
+            sentinel.slave_for(cfg.redis_master_name, redis_connect_func=watch.reading)
+            if cfg.redis_read_access_slave
+            else writer
+        )
         return writer, reader
     from redis.cluster import ClusterNode, RedisCluster
 
     try:
-        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in servers],
-                              read_from_replicas=cfg.redis_read_access_slave,
-                              max_connections=cfg.redis_conn_pool_size, **common)
+        client = RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in servers],
+            read_from_replicas=cfg.redis_read_access_slave,
+            max_connections=cfg.redis_conn_pool_size,
+            **common,
+        )
     except redis.exceptions.RedisClusterException as e:
         if "not enabled" in str(e).lower():
-            raise ConfigError(f"redis_connection_mode is 0 (cluster) but {cfg.describe_servers()} is not a cluster "
-                              "node; use 2 for a standalone server or 1 for sentinels") from None
+            raise ConfigError(
+                f"redis_connection_mode is 0 (cluster) but {cfg.describe_servers()} is not a cluster "
+                "node; use 2 for a standalone server or 1 for sentinels"
+            ) from None
         raise BackendUnavailableError(f"Redis cluster at {cfg.describe_servers()} unreachable: {e}") from None
     return client, client
 
 
-def native_attrs(cfg: RedisTableConfig, buckets, table_name: str, credentials: str = "", meta_key: str = "",
-                 meta: bytes = b"") -> dict:
+def native_attrs(
+    cfg: RedisTableConfig, buckets, table_name: str, credentials: str = "", meta_key: str = "", meta: bytes = b""
+) -> dict:
     """Attrs of the native Redis ops (backends/redis/ops.cc) for a table.
     Passwords are never attrs: `credentials` names the ones registered in
     this process (RedisTableCreator); without it the ops read
@@ -209,24 +241,37 @@ def native_attrs(cfg: RedisTableConfig, buckets, table_name: str, credentials: s
     meta value) is given, the ops write it again instead."""
     env = not credentials
     recreate = bool(cfg.recreate_if_missing and meta and meta_key)
-    return dict(buckets=list(buckets), table_name=table_name, chunk=cfg.keys_sending_size,
-                mode=cfg.redis_connection_mode,
-                servers=[f"{h}:{p}" for h, p in zip(cfg.redis_host_ip, cfg.redis_host_port)],
-                master_name=cfg.redis_master_name, db=cfg.redis_db, user=cfg.redis_user or "",
-                credentials=credentials, password_env=PASSWORD_ENV if env else "",
-                sentinel_user=cfg.redis_sentinel_user or "",
-                sentinel_password_env=SENTINEL_PASSWORD_ENV if env else "",
-                connect_timeout_ms=cfg.redis_connect_timeout, socket_timeout_ms=cfg.redis_socket_timeout,
-                retries=RETRIES, error_kinds=[f"{code}={kind}" for code, kind in sorted(REDIS_ERROR_KINDS.items())],
-                meta_key=meta_key, meta=meta if recreate else b"", recreate_meta=recreate)
+    return dict(
+        buckets=list(buckets),
+        table_name=table_name,
+        chunk=cfg.keys_sending_size,
+        mode=cfg.redis_connection_mode,
+        servers=[f"{h}:{p}" for h, p in zip(cfg.redis_host_ip, cfg.redis_host_port)],
+        master_name=cfg.redis_master_name,
+        db=cfg.redis_db,
+        user=cfg.redis_user or "",
+        credentials=credentials,
+        password_env=PASSWORD_ENV if env else "",
+        sentinel_user=cfg.redis_sentinel_user or "",
+        sentinel_password_env=SENTINEL_PASSWORD_ENV if env else "",
+        connect_timeout_ms=cfg.redis_connect_timeout,
+        socket_timeout_ms=cfg.redis_socket_timeout,
+        retries=RETRIES,
+        error_kinds=[f"{code}={kind}" for code, kind in sorted(REDIS_ERROR_KINDS.items())],
+        meta_key=meta_key,
+        meta=meta if recreate else b"",
+        recreate_meta=recreate,
+    )
 
 
 def table_lost_message(address: str, table_name: str, meta_key: str) -> str:
     """Why a table's operations fail once its server lost it; the native
     client says the same (backends/redis/resp_client.h CheckTable)."""
-    return (f"Redis at {address} no longer holds table {table_name!r} (its meta key {meta_key!r} is gone): the "
-            "server was restarted without persistence or was flushed, so the table's rows are lost; restore them "
-            "from a checkpoint, or set \"recreate_if_missing\": true in the Redis config to start the table afresh")
+    return (
+        f"Redis at {address} no longer holds table {table_name!r} (its meta key {meta_key!r} is gone): the "
+        "server was restarted without persistence or was flushed, so the table's rows are lost; restore them "
+        'from a checkpoint, or set "recreate_if_missing": true in the Redis config to start the table afresh'
+    )
 
 
 class _TableWatch:
@@ -244,7 +289,7 @@ class _TableWatch:
 
     def __init__(self, handshake: bool):
         self._handshake = handshake  # False in a cluster: RedisCluster.on_connect ran it
-        self._tables = {}            # meta key -> (table name, packed meta to rewrite, or None)
+        self._tables = {}  # meta key -> (table name, packed meta to rewrite, or None)
         self._lock = threading.Lock()
 
     def watch(self, meta_key: str, table_name: str, meta) -> None:
@@ -268,8 +313,11 @@ class _TableWatch:
                 continue
             if meta is not None:
                 if found:
-                    warnings.warn(f"Redis at {conn.host}:{conn.port} held no table {name!r} (its meta key {key!r} "
-                                  "was gone): recreated it empty, as recreate_if_missing asks", stacklevel=2)
+                    warnings.warn(
+                        f"Redis at {conn.host}:{conn.port} held no table {name!r} (its meta key {key!r} "
+                        "was gone): recreated it empty, as recreate_if_missing asks",
+                        stacklevel=2,
+                    )
             elif not found:
                 # Closed before raising: redis-py would otherwise keep the
                 # socket and use it unchecked next time.
@@ -289,10 +337,18 @@ def _error_code(error) -> str:
     code = getattr(error, "status_code", None)
     if code:
         return code
-    for cls, code in ((x.OutOfMemoryError, "OOM"), (x.NoScriptError, "NOSCRIPT"), (x.ReadOnlyError, "READONLY"),
-                      (x.ExecAbortError, "EXECABORT"), (x.TryAgainError, "TRYAGAIN"),
-                      (getattr(x, "MasterDownError", ()), "MASTERDOWN"), (x.ClusterDownError, "CLUSTERDOWN"),
-                      (x.MovedError, "MOVED"), (x.AskError, "ASK"), (x.NoPermissionError, "NOPERM")):
+    for cls, code in (
+        (x.OutOfMemoryError, "OOM"),
+        (x.NoScriptError, "NOSCRIPT"),
+        (x.ReadOnlyError, "READONLY"),
+        (x.ExecAbortError, "EXECABORT"),
+        (x.TryAgainError, "TRYAGAIN"),
+        (getattr(x, "MasterDownError", ()), "MASTERDOWN"),
+        (x.ClusterDownError, "CLUSTERDOWN"),
+        (x.MovedError, "MOVED"),
+        (x.AskError, "ASK"),
+        (x.NoPermissionError, "NOPERM"),
+    ):
         if cls and isinstance(error, cls):
             return code
     text = str(error).split(" of pipeline caused error: ", 1)[-1]
@@ -316,7 +372,6 @@ def _error_kind(error) -> str:
     return "transient"  # ConnectionError, TimeoutError, cluster discovery errors
 
 
-
 def _check_credentials(cfg: RedisTableConfig, client) -> None:
     """Authenticates to every server the native ops talk to, the way they do
     (backends/redis/resp_client.h: ``AUTH <password>`` for user "default" or
@@ -334,8 +389,14 @@ def _check_credentials(cfg: RedisTableConfig, client) -> None:
     def probe(host, port, user, password, user_field, password_field, connect_ms, socket_ms):
         # protocol 2: redis-py's RESP3 handshake (HELLO) would be refused
         # before AUTH on a server that needs a password.
-        conn = redis.Redis(host=host, port=port, protocol=2, retry=Retry(NoBackoff(), 0),
-                           socket_connect_timeout=connect_ms / 1000.0, socket_timeout=socket_ms / 1000.0)
+        conn = redis.Redis(
+            host=host,
+            port=port,
+            protocol=2,
+            retry=Retry(NoBackoff(), 0),
+            socket_connect_timeout=connect_ms / 1000.0,
+            socket_timeout=socket_ms / 1000.0,
+        )
         where = f"Redis at {host}:{port}"
         try:
             if password:
@@ -344,23 +405,35 @@ def _check_credentials(cfg: RedisTableConfig, client) -> None:
         except (redis.AuthenticationError, redis.ResponseError) as e:
             text = str(e)
             if "without any password configured" in text or "no password is set" in text:
-                raise CredentialsError(f"{where} has no password, but {password_field} is set in the Redis config; "
-                                  f"remove {password_field} (or give the server a password: requirepass or an "
-                                  "ACL user)") from None
+                raise CredentialsError(
+                    f"{where} has no password, but {password_field} is set in the Redis config; "
+                    f"remove {password_field} (or give the server a password: requirepass or an "
+                    "ACL user)"
+                ) from None
             if text.startswith("NOAUTH") or "Authentication required" in text:
-                raise CredentialsError(f"{where} requires a password, but {password_field} is empty in the Redis config; "
-                                  f"set {password_field} (and {user_field} for an ACL user other than "
-                                  "\"default\")") from None
+                raise CredentialsError(
+                    f"{where} requires a password, but {password_field} is empty in the Redis config; "
+                    f"set {password_field} (and {user_field} for an ACL user other than "
+                    '"default")'
+                ) from None
             if "WRONGPASS" in text or "invalid password" in text or "invalid username-password" in text:
-                raise CredentialsError(f"{where} refused the credentials of user {user or 'default'!r} (WRONGPASS); "
-                                  f"check {user_field} and {password_field} in the Redis config") from None
+                raise CredentialsError(
+                    f"{where} refused the credentials of user {user or 'default'!r} (WRONGPASS); "
+                    f"check {user_field} and {password_field} in the Redis config"
+                ) from None
             raise
         finally:
             conn.close()
 
     servers = list(zip(cfg.redis_host_ip, cfg.redis_host_port))
-    master = (cfg.redis_user, cfg.redis_password, "redis_user", "redis_password", cfg.redis_connect_timeout,
-              cfg.redis_socket_timeout)
+    master = (
+        cfg.redis_user,
+        cfg.redis_password,
+        "redis_user",
+        "redis_password",
+        cfg.redis_connect_timeout,
+        cfg.redis_socket_timeout,
+    )
     if cfg.redis_connection_mode == 2:
         probe(*servers[0], *master)
     elif cfg.redis_connection_mode == 1:
@@ -368,9 +441,16 @@ def _check_credentials(cfg: RedisTableConfig, client) -> None:
         # must take the sentinel credentials.
         for host, port in servers:
             try:
-                probe(host, port, cfg.redis_sentinel_user, cfg.redis_sentinel_password, "redis_sentinel_user",
-                      "redis_sentinel_password", cfg.redis_sentinel_connect_timeout,
-                      cfg.redis_sentinel_socket_timeout)
+                probe(
+                    host,
+                    port,
+                    cfg.redis_sentinel_user,
+                    cfg.redis_sentinel_password,
+                    "redis_sentinel_user",
+                    "redis_sentinel_password",
+                    cfg.redis_sentinel_connect_timeout,
+                    cfg.redis_sentinel_socket_timeout,
+                )
             except (redis.ConnectionError, redis.TimeoutError):
                 continue  # another sentinel may answer; the master lookup below needs one
         probe(*client.connection_pool.get_master_address(), *master)
@@ -392,8 +472,9 @@ class RedisTable(Table, trackable_base.Trackable):
 
     shared_between_workers = True  # every worker of a job reads and writes the same Redis tables
 
-    def __init__(self, name, key_dtype, value_dtype, dim, config: RedisTableConfig, clients=None,
-                 credentials: str = ""):
+    def __init__(
+        self, name, key_dtype, value_dtype, dim, config: RedisTableConfig, clients=None, credentials: str = ""
+    ):
         self.key_dtype, self.value_dtype, self.dim = check_dtypes(key_dtype, value_dtype, dim)
         self.name = name
         self.config = config
@@ -456,13 +537,16 @@ class RedisTable(Table, trackable_base.Trackable):
                 if kind == "capacity":
                     raise CapacityError(f"{at} is out of memory during {during}: {e}; {_OUT_OF_MEMORY_HINT}") from None
                 if kind == "credentials":
-                    raise CredentialsError(f"{at} refused the credentials of user {self.config.redis_user!r} during "
-                                           f"{during}: {e}; {_CREDENTIALS_HINT}") from None
+                    raise CredentialsError(
+                        f"{at} refused the credentials of user {self.config.redis_user!r} during "
+                        f"{during}: {e}; {_CREDENTIALS_HINT}"
+                    ) from None
                 if kind != "transient":
                     raise BackendError(f"{at} refused {during}: {e}") from None
                 if attempt == RETRIES:
-                    raise BackendUnavailableError(f"{at} unreachable during {during} after {RETRIES + 1} attempts: "
-                                                  f"{e}") from None
+                    raise BackendUnavailableError(
+                        f"{at} unreachable during {during} after {RETRIES + 1} attempts: {e}"
+                    ) from None
                 time.sleep(backoff_s(attempt + 1))
 
     def _packed_meta(self) -> bytes:
@@ -476,8 +560,14 @@ class RedisTable(Table, trackable_base.Trackable):
             watch.watch(self._meta_key, self.name, self._packed_meta() if self.config.recreate_if_missing else None)
 
     def _meta(self, buckets: int) -> dict:
-        return {"format": FORMAT_VERSION, "key_dtype": self.key_dtype.name, "value_dtype": self.value_dtype.name,
-                "dim": self.dim, "storage_slice": buckets, "hash": "tfde-mix64-v1"}
+        return {
+            "format": FORMAT_VERSION,
+            "key_dtype": self.key_dtype.name,
+            "value_dtype": self.value_dtype.name,
+            "dim": self.dim,
+            "storage_slice": buckets,
+            "hash": "tfde-mix64-v1",
+        }
 
     def _open_meta(self):
         meta = self._meta(len(self._buckets))
@@ -494,7 +584,8 @@ class RedisTable(Table, trackable_base.Trackable):
                 f"{stored.get('value_dtype')}[{stored.get('dim')}] in {stored.get('storage_slice')} buckets "
                 f"(format {stored.get('format')}); asked for {meta['key_dtype']} -> {meta['value_dtype']}"
                 f"[{meta['dim']}] in {meta['storage_slice']} buckets. Use another model_tag_runtime or the "
-                "same dtypes, dim and storage_slice.")
+                "same dtypes, dim and storage_slice."
+            )
 
     def _import_from_model_tag(self):
         """A new runtime table starts as a copy of the same table under
@@ -509,20 +600,26 @@ class RedisTable(Table, trackable_base.Trackable):
             return
         source = msgpack.unpackb(raw_meta)
         if source != self._meta(source.get("storage_slice")):
-            raise ConfigError(f"cannot import Redis table {self.name!r} from model tag {cfg.model_tag_import!r}: it "
-                              f"holds {source.get('key_dtype')} -> {source.get('value_dtype')}[{source.get('dim')}],"
-                              f" this table is {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}]")
+            raise ConfigError(
+                f"cannot import Redis table {self.name!r} from model tag {cfg.model_tag_import!r}: it "
+                f"holds {source.get('key_dtype')} -> {source.get('value_dtype')}[{source.get('dim')}],"
+                f" this table is {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}]"
+            )
         tags = cfg.import_hash_tags(source["storage_slice"])
         for tag in tags:
             cursor = 0
             while True:
-                cursor, page = self._call("import", lambda c=cursor, t=tag: self._reader.hscan(
-                    f"{prefix}:{self.name}:{t}", c, count=1000))
+                cursor, page = self._call(
+                    "import", lambda c=cursor, t=tag: self._reader.hscan(f"{prefix}:{self.name}:{t}", c, count=1000)
+                )
                 if page:
                     fields = list(page)
                     keys = self._keys_from_fields(fields)
-                    hashes = (stable_hash_np(keys) if self._key_width is not None else
-                              np.array([stable_hash_py(k) for k in fields], np.uint64))
+                    hashes = (
+                        stable_hash_np(keys)
+                        if self._key_width is not None
+                        else np.array([stable_hash_py(k) for k in fields], np.uint64)
+                    )
                     buckets = self._bucket_of(hashes)
 
                     def run(fields=fields, buckets=buckets):
@@ -540,13 +637,14 @@ class RedisTable(Table, trackable_base.Trackable):
             return [k if isinstance(k, bytes) else bytes(k) for k in keys]
         raw = keys.astype("<i8" if self._key_width == 8 else "<i4").tobytes()
         w = self._key_width
-        return [raw[i:i + w] for i in range(0, len(raw), w)]
+        return [raw[i : i + w] for i in range(0, len(raw), w)]
 
     def _keys_from_fields(self, fields: list) -> np.ndarray:
         if self._key_width is None:
             return np.array(fields, dtype=object)
         return np.frombuffer(b"".join(fields), dtype="<i8" if self._key_width == 8 else "<i4").astype(
-            self.key_dtype.as_numpy_dtype)
+            self.key_dtype.as_numpy_dtype
+        )
 
     def _bucket_of(self, hashes: np.ndarray) -> np.ndarray:
         return route_low_np(hashes, len(self._buckets))
@@ -558,7 +656,7 @@ class RedisTable(Table, trackable_base.Trackable):
         for b in np.unique(buckets):
             idx = np.nonzero(buckets == b)[0]
             for s in range(0, len(idx), step):
-                yield int(b), idx[s:s + step]
+                yield int(b), idx[s : s + step]
 
     # ------------------------------------------------------------ numpy side
 
@@ -604,9 +702,11 @@ class RedisTable(Table, trackable_base.Trackable):
             joined = b"".join(found)
             if len(joined) != len(found) * rb or any(len(v) != rb for v in found[:1]):
                 bad = next(v for v in found if len(v) != rb)
-                raise ShapeError(f"Redis table {self.name!r} bucket {self._buckets[b]} holds a {len(bad)}-byte "
-                                 f"row where {rb} bytes (dim {self.dim} x {self.value_dtype.name}) are expected: "
-                                 "the data was written by another program or format")
+                raise ShapeError(
+                    f"Redis table {self.name!r} bucket {self._buckets[b]} holds a {len(bad)}-byte "
+                    f"row where {rb} bytes (dim {self.dim} x {self.value_dtype.name}) are expected: "
+                    "the data was written by another program or format"
+                )
             hit = chunk[present]
             out[hit] = np.frombuffer(joined, np.uint8).reshape(len(found), rb)
             exists[hit] = True
@@ -685,8 +785,9 @@ class RedisTable(Table, trackable_base.Trackable):
                     self._exports.pop(next(iter(self._exports)))
             rows_iter = self._exports.get(cursor)
         if rows_iter is None:
-            raise ShapeError(f"export cursor {cursor} of Redis table {self.name!r} is unknown or finished; "
-                             "start again from 0")
+            raise ShapeError(
+                f"export cursor {cursor} of Redis table {self.name!r} is unknown or finished; start again from 0"
+            )
         fields, values = [], []
         for field, value in itertools.islice(rows_iter, max_rows):
             fields.append(field)
@@ -701,8 +802,11 @@ class RedisTable(Table, trackable_base.Trackable):
         if done:
             with self._lock:
                 self._exports.pop(cursor, None)
-        keys = self._keys_from_fields(fields) if fields else np.zeros(
-            0, object if self._key_width is None else self.key_dtype.as_numpy_dtype)
+        keys = (
+            self._keys_from_fields(fields)
+            if fields
+            else np.zeros(0, object if self._key_width is None else self.key_dtype.as_numpy_dtype)
+        )
         rows = np.stack(values) if values else np.zeros((0, self._row_bytes), np.uint8)
         return keys, rows, np.int64(-1 if done else cursor)
 
@@ -765,8 +869,7 @@ class RedisTable(Table, trackable_base.Trackable):
                 return [*empty, np.int32(tf_code(e)), graph_message(e).encode()]
             return [*([out] if single else out), np.int32(0), b""]
 
-        *outs, code, message = tf.numpy_function(guarded, inp, touts + [tf.int32, tf.string], stateful=True,
-                                                 name=name)
+        *outs, code, message = tf.numpy_function(guarded, inp, touts + [tf.int32, tf.string], stateful=True, name=name)
         outs = self._ops.tfde_raise_if_error(outs, code, message)
         return outs[0] if single else outs
 
@@ -774,14 +877,16 @@ class RedisTable(Table, trackable_base.Trackable):
         keys = as_keys(keys, self.key_dtype, self.name)
         if self._native_reads:
             defaults, init = native_missing_args(missing, self)
-            return self._native_call("find", lambda: self._ops.tfde_redis_find(
-                keys, defaults, dim=self.dim, **self._attrs, **init))
+            return self._native_call(
+                "find", lambda: self._ops.tfde_redis_find(keys, defaults, dim=self.dim, **self._attrs, **init)
+            )
         if isinstance(missing, InitSpec):
             defaults = self._no_defaults
         else:
             defaults = as_rows(missing, self.value_dtype, self.dim, self.name, "defaults")
-        values, exists = self._py_op(self._np_find, [keys, self._hash_arg(keys), defaults],
-                                     [self.value_dtype, tf.bool], name="tfde_redis_find")
+        values, exists = self._py_op(
+            self._np_find, [keys, self._hash_arg(keys), defaults], [self.value_dtype, tf.bool], name="tfde_redis_find"
+        )
         values.set_shape([None, self.dim])
         exists.set_shape([None])
         if isinstance(missing, InitSpec):
@@ -792,8 +897,9 @@ class RedisTable(Table, trackable_base.Trackable):
     def insert(self, keys, values):
         keys = as_keys(keys, self.key_dtype, self.name)
         values = as_rows(values, self.value_dtype, self.dim, self.name)
-        return self._native_call("insert", lambda: self._ops.tfde_redis_insert(keys, values, dim=self.dim,
-                                                                                **self._attrs))
+        return self._native_call(
+            "insert", lambda: self._ops.tfde_redis_insert(keys, values, dim=self.dim, **self._attrs)
+        )
 
     def insert_with(self, keys, values, others) -> list:
         """Upserts `values` ([n, dim] value_dtype) under `keys` ([n]) here and,
@@ -821,20 +927,38 @@ class RedisTable(Table, trackable_base.Trackable):
         n = keys.shape[0]
         for table, r in zip(tables, rows):  # the kernel checks again when n is known only at run time
             if n is not None and r.shape[0] is not None and r.shape[0] != n:
-                raise ShapeError(f"rows for table {table.name!r} have shape {r.shape} for {n} keys; expected "
-                                 f"[{n}, {table.dim}], one row per key")
+                raise ShapeError(
+                    f"rows for table {table.name!r} have shape {r.shape} for {n} keys; expected "
+                    f"[{n}, {table.dim}], one row per key"
+                )
         others_tables = tables[1:]
-        return [self._native_call("insert", lambda: self._ops.tfde_redis_insert_group(
-            keys, rows[0], rows[1:], dim=self.dim, other_dims=[t.dim for t in others_tables],
-            other_buckets=[b for t in others_tables for b in t._buckets],
-            other_names=[t.name for t in others_tables], **self._attrs))]
+        return [
+            self._native_call(
+                "insert",
+                lambda: self._ops.tfde_redis_insert_group(
+                    keys,
+                    rows[0],
+                    rows[1:],
+                    dim=self.dim,
+                    other_dims=[t.dim for t in others_tables],
+                    other_buckets=[b for t in others_tables for b in t._buckets],
+                    other_names=[t.name for t in others_tables],
+                    **self._attrs,
+                ),
+            )
+        ]
 
     def _shares_transactions_with(self, table) -> bool:
         """Whether `table` can be written in the same Redis transactions as
         this table: the same servers and credentials, key dtype and buckets'
         hash tags (so bucket b of both is on one node and cluster slot)."""
-        if not (isinstance(table, RedisTable) and table is not self and table.config == self.config
-                and table.key_dtype == self.key_dtype and table._tags == self._tags):
+        if not (
+            isinstance(table, RedisTable)
+            and table is not self
+            and table.config == self.config
+            and table.key_dtype == self.key_dtype
+            and table._tags == self._tags
+        ):
             return False
         if self.config.redis_connection_mode != 0:
             return True
@@ -848,10 +972,12 @@ class RedisTable(Table, trackable_base.Trackable):
         if isinstance(missing, InitSpec):
             init = _native.load().tfde_init_rows(keys, Tvalue=self.value_dtype, dim=self.dim, **missing.attrs())
         else:
-            init = tf.broadcast_to(as_rows(missing, self.value_dtype, self.dim, self.name, "defaults"),
-                                   [tf.size(keys), self.dim])
-        return self._py_op(self._np_accum, [keys, self._hash_arg(keys), deltas, init], tf.int64,
-                           name="tfde_redis_accum")
+            init = tf.broadcast_to(
+                as_rows(missing, self.value_dtype, self.dim, self.name, "defaults"), [tf.size(keys), self.dim]
+            )
+        return self._py_op(
+            self._np_accum, [keys, self._hash_arg(keys), deltas, init], tf.int64, name="tfde_redis_accum"
+        )
 
     def remove(self, keys):
         keys = as_keys(keys, self.key_dtype, self.name)
@@ -865,8 +991,11 @@ class RedisTable(Table, trackable_base.Trackable):
 
     def export_chunk(self, cursor, max_rows):
         keys, raw, nxt = self._py_op(
-            self._np_export, [tf.cast(cursor, tf.int64), tf.cast(max_rows, tf.int64)],
-            [self.key_dtype, tf.uint8, tf.int64], name="tfde_redis_export")
+            self._np_export,
+            [tf.cast(cursor, tf.int64), tf.cast(max_rows, tf.int64)],
+            [self.key_dtype, tf.uint8, tf.int64],
+            name="tfde_redis_export",
+        )
         keys.set_shape([None])
         return keys, self._bytes_to_rows(raw), nxt
 
@@ -889,8 +1018,10 @@ class RedisTable(Table, trackable_base.Trackable):
         return RedisServingTable(self)
 
     def __repr__(self):
-        return (f"RedisTable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}], "
-                f"{self.config.describe_servers()}, buckets={len(self._buckets)})")
+        return (
+            f"RedisTable({self.name!r}, {self.key_dtype.name} -> {self.value_dtype.name}[{self.dim}], "
+            f"{self.config.describe_servers()}, buckets={len(self._buckets)})"
+        )
 
 
 class RedisServingTable(Table):
@@ -906,7 +1037,12 @@ class RedisServingTable(Table):
     in_checkpoints = False
 
     def __init__(self, table: RedisTable):
-        self.name, self.key_dtype, self.value_dtype, self.dim = table.name, table.key_dtype, table.value_dtype, table.dim
+        self.name, self.key_dtype, self.value_dtype, self.dim = (
+            table.name,
+            table.key_dtype,
+            table.value_dtype,
+            table.dim,
+        )
         # Passwords from the environment; the table's meta key is checked on
         # every new connection, never rewritten (a read-only view).
         self._attrs = native_attrs(table.config, table._buckets, table.name, meta_key=table._meta_key)
@@ -918,8 +1054,9 @@ class RedisServingTable(Table):
         return self._ops.tfde_redis_find(keys, defaults, dim=self.dim, **self._attrs, **init)
 
     def _read_only(self, *args, **kwargs):
-        raise ConfigError(f"{self.name!r} is a read-only serving view of a Redis table; write through the "
-                          "training job's RedisTable")
+        raise ConfigError(
+            f"{self.name!r} is a read-only serving view of a Redis table; write through the training job's RedisTable"
+        )
 
     insert = accum = remove = clear = size = export_chunk = _read_only
 
@@ -977,8 +1114,9 @@ class RedisTableCreator(TableCreator):
         if self._clients is None:
             self._clients = _connect(self.config)
             self._credentials = self._register_credentials()
-        table = RedisTable(name, key_dtype, value_dtype, dim, self.config, clients=self._clients,
-                           credentials=self._credentials)
+        table = RedisTable(
+            name, key_dtype, value_dtype, dim, self.config, clients=self._clients, credentials=self._credentials
+        )
         self.tables.append(table)
         return table
 

@@ -86,11 +86,14 @@ class ReferenceTable(Table):
     def export_chunk(self, cursor, max_rows):
         items = sorted(self.rows.items())
         cursor, max_rows = int(cursor), int(max_rows)
-        chunk = items[cursor:cursor + max_rows]
+        chunk = items[cursor : cursor + max_rows]
         nxt = cursor + len(chunk) if cursor + len(chunk) < len(items) else -1
         keys = tf.constant([k for k, _ in chunk], dtype=self.key_dtype) if chunk else tf.zeros([0], self.key_dtype)
-        vals = (tf.constant(np.stack([v for _, v in chunk]), dtype=self.value_dtype) if chunk
-                else tf.zeros([0, self.dim], self.value_dtype))
+        vals = (
+            tf.constant(np.stack([v for _, v in chunk]), dtype=self.value_dtype)
+            if chunk
+            else tf.zeros([0, self.dim], self.value_dtype)
+        )
         return keys, vals, tf.constant(nxt, tf.int64)
 
 

@@ -11,8 +11,7 @@ import os
 import tensorflow as tf
 
 from tfde.errors import ConfigError
-from tfde.tables.base import TableCreator
-from tfde.tables.base import int_arg
+from tfde.tables.base import TableCreator, int_arg
 from tfde.tables.cuckoo import CuckooTableCreator
 
 GUIDE = "docs/migrating-from-tfra.md"
@@ -22,8 +21,10 @@ def refuse_unknown(where: str, kwargs: dict, accepted) -> None:
     """ConfigError naming every keyword of `kwargs`: `where` takes none of
     them (TFRA options tfde has no counterpart for, or typos)."""
     if kwargs:
-        raise ConfigError(f"{where} got keyword argument(s) {sorted(kwargs)} that tfde does not take; accepted: "
-                          f"{', '.join(accepted)} (see {GUIDE})")
+        raise ConfigError(
+            f"{where} got keyword argument(s) {sorted(kwargs)} that tfde does not take; accepted: "
+            f"{', '.join(accepted)} (see {GUIDE})"
+        )
 
 
 def require(where: str, name: str, value, wanted, why: str) -> None:
@@ -40,20 +41,24 @@ def check_devices(where: str, devices) -> None:
         return
     listed = [devices] if isinstance(devices, str) else devices
     if not isinstance(listed, (list, tuple)) or not listed:
-        raise ConfigError(f"{where}: devices must be a device string or a non-empty list of them, e.g. ['CPU'], "
-                          f"got {devices!r}")
+        raise ConfigError(
+            f"{where}: devices must be a device string or a non-empty list of them, e.g. ['CPU'], got {devices!r}"
+        )
     for device in listed:
         try:
             kind = tf.DeviceSpec.from_string(device).device_type if isinstance(device, str) else "?"
         except ValueError:
             kind = "?"
         if kind == "?":
-            raise ConfigError(f"{where}: devices entry {device!r} is not a device string; expected e.g. 'CPU' or "
-                              "'/CPU:0'")
+            raise ConfigError(
+                f"{where}: devices entry {device!r} is not a device string; expected e.g. 'CPU' or '/CPU:0'"
+            )
         if kind is not None and kind.upper() != "CPU":
-            raise ConfigError(f"{where}: devices={devices!r} asks for a {kind.upper()} table, but tfde's tables live "
-                              "in this process on the CPU; pass devices=['CPU'] or drop devices= (see "
-                              f"{GUIDE})")
+            raise ConfigError(
+                f"{where}: devices={devices!r} asks for a {kind.upper()} table, but tfde's tables live "
+                "in this process on the CPU; pass devices=['CPU'] or drop devices= (see "
+                f"{GUIDE})"
+            )
 
 
 def check_strategy(where: str, strategy) -> None:
@@ -63,11 +68,16 @@ def check_strategy(where: str, strategy) -> None:
         return
     current = tf.distribute.get_strategy()
     if strategy is not current:
-        in_scope = (f"the strategy in scope is {type(current).__name__}" if tf.distribute.has_strategy() else
-                    "no strategy is in scope")
-        raise ConfigError(f"{where}: distribute_strategy={type(strategy).__name__} is not the strategy in scope "
-                          f"({in_scope}); tfde uses the strategy in scope when the layer is made: build the layer "
-                          "inside `with strategy.scope():` (then distribute_strategy= may be dropped)")
+        in_scope = (
+            f"the strategy in scope is {type(current).__name__}"
+            if tf.distribute.has_strategy()
+            else "no strategy is in scope"
+        )
+        raise ConfigError(
+            f"{where}: distribute_strategy={type(strategy).__name__} is not the strategy in scope "
+            f"({in_scope}); tfde uses the strategy in scope when the layer is made: build the layer "
+            "inside `with strategy.scope():` (then distribute_strategy= may be dropped)"
+        )
 
 
 def init_capacity(where: str, value) -> int:
@@ -84,30 +94,58 @@ def table_creator(where: str, kv_creator, capacity: int) -> TableCreator:
     if kv_creator is None:
         return CuckooTableCreator(expected_rows=capacity)
     if not isinstance(kv_creator, TableCreator):
-        raise ConfigError(f"{where}: kv_creator must be de.CuckooHashTableCreator(...), de.RedisTableCreator(...) or "
-                          f"a tfde TableCreator, got {type(kv_creator).__name__}")
+        raise ConfigError(
+            f"{where}: kv_creator must be de.CuckooHashTableCreator(...), de.RedisTableCreator(...) or "
+            f"a tfde TableCreator, got {type(kv_creator).__name__}"
+        )
     if isinstance(kv_creator, CuckooTableCreator) and capacity:
         if kv_creator.expected_rows not in (0, capacity):
-            raise ConfigError(f"{where}: init_capacity={capacity} and the kv_creator's expected_rows="
-                              f"{kv_creator.expected_rows} disagree; give the size once")
+            raise ConfigError(
+                f"{where}: init_capacity={capacity} and the kv_creator's expected_rows="
+                f"{kv_creator.expected_rows} disagree; give the size once"
+            )
         return dataclasses.replace(kv_creator, expected_rows=capacity)
     return kv_creator
 
 
-def variable_kwargs(where: str, *, devices, partitioner, initializer, trainable, checkpoint, init_size,
-                    kv_creator, restrict_policy, bp_v2) -> dict:
+def variable_kwargs(
+    where: str,
+    *,
+    devices,
+    partitioner,
+    initializer,
+    trainable,
+    checkpoint,
+    init_size,
+    kv_creator,
+    restrict_policy,
+    bp_v2,
+) -> dict:
     """tfde.Variable keyword arguments for the table options TFRA's Variable,
     get_variable and Embedding layers share."""
     check_devices(where, devices)
-    require(where, "partitioner", partitioner, None,
-            "tfde routes keys to its tables by its stable hash (README, 'The stable key hash'); num_shards= sets "
-            "how many")
+    require(
+        where,
+        "partitioner",
+        partitioner,
+        None,
+        "tfde routes keys to its tables by its stable hash (README, 'The stable key hash'); num_shards= sets how many",
+    )
     require(where, "checkpoint", checkpoint, True, "tfde always saves a table with the model or Variable")
-    require(where, "bp_v2", bp_v2, False,
-            "tfde's training steps are synchronous and write each key once per step, so there is no race between "
-            "workers to add deltas for")
-    return {"initializer": initializer, "trainable": trainable, "restrict_policy": restrict_policy,
-            "table_creator": table_creator(where, kv_creator, init_capacity(where, init_size))}
+    require(
+        where,
+        "bp_v2",
+        bp_v2,
+        False,
+        "tfde's training steps are synchronous and write each key once per step, so there is no race between "
+        "workers to add deltas for",
+    )
+    return {
+        "initializer": initializer,
+        "trainable": trainable,
+        "restrict_policy": restrict_policy,
+        "table_creator": table_creator(where, kv_creator, init_capacity(where, init_size)),
+    }
 
 
 def fspath(where: str, name: str, value) -> str:

@@ -19,12 +19,23 @@ def DEHvdBroadcastGlobalVariablesCallback(root_rank=0, device="", local_variable
     horovod.import_horovod()  # Horovod missing: the ImportError names the install command
     import horovod.tensorflow.keras as hvd_keras
 
-    return hvd_keras.callbacks.BroadcastGlobalVariablesCallback(root_rank, device=device,
-                                                                local_variables=local_variables)
+    return hvd_keras.callbacks.BroadcastGlobalVariablesCallback(
+        root_rank, device=device, local_variables=local_variables
+    )
 
 
-def DEHvdModelCheckpoint(filepath, monitor="val_loss", verbose=0, save_best_only=False, save_weights_only=False,
-                         mode="auto", save_freq="epoch", options=None, initial_value_threshold=None, **kwargs):
+def DEHvdModelCheckpoint(
+    filepath,
+    monitor="val_loss",
+    verbose=0,
+    save_best_only=False,
+    save_weights_only=False,
+    mode="auto",
+    save_freq="epoch",
+    options=None,
+    initial_value_threshold=None,
+    **kwargs,
+):
     """tfde.keras.callbacks.ModelCheckpoint(os.path.dirname(filepath),
     save_freq=save_freq, max_to_keep=None): every worker writes its part of
     each checkpoint (rows, optimizer slots, policy state, dense weights and
@@ -41,19 +52,43 @@ def DEHvdModelCheckpoint(filepath, monitor="val_loss", verbose=0, save_best_only
     """
     where = "de.keras.callbacks.DEHvdModelCheckpoint"
     signatures = kwargs.pop("signatures", None)
-    _args.refuse_unknown(where, kwargs, ["filepath", "monitor", "verbose", "save_best_only=False",
-                                         "save_weights_only", "mode", "save_freq", "options",
-                                         "initial_value_threshold", "signatures=None"])
-    _args.require(where, "save_best_only", save_best_only, False,
-                  "tfde saves every save_freq, it does not compare a monitored value")
-    _args.require(where, "signatures", signatures, None,
-                  "tfde's checkpoints are not SavedModels; export a model for serving with tfde.export_for_serving")
+    _args.refuse_unknown(
+        where,
+        kwargs,
+        [
+            "filepath",
+            "monitor",
+            "verbose",
+            "save_best_only=False",
+            "save_weights_only",
+            "mode",
+            "save_freq",
+            "options",
+            "initial_value_threshold",
+            "signatures=None",
+        ],
+    )
+    _args.require(
+        where,
+        "save_best_only",
+        save_best_only,
+        False,
+        "tfde saves every save_freq, it does not compare a monitored value",
+    )
+    _args.require(
+        where,
+        "signatures",
+        signatures,
+        None,
+        "tfde's checkpoints are not SavedModels; export a model for serving with tfde.export_for_serving",
+    )
     directory = os.path.dirname(_args.fspath(where, "filepath", filepath)) or os.curdir
     if "{" in directory:
         raise ConfigError(
             f"{where}: the directory of filepath={filepath!r} is a template ({directory!r}); tfde writes every "
             "checkpoint of a run to one directory (as ckpt-<step>): give a plain directory, e.g. "
-            "'model_dir/weights'")
+            "'model_dir/weights'"
+        )
     return tfde.keras.callbacks.ModelCheckpoint(directory, save_freq=save_freq, max_to_keep=None)
 
 

@@ -68,13 +68,17 @@ class FileSystemSaver:
     def __post_init__(self):
         where = "de.FileSystemSaver"
         if (self.proc_size is None) != (self.proc_rank is None):
-            raise ConfigError(f"{where}: give both proc_size and proc_rank or neither, got proc_size="
-                              f"{self.proc_size!r}, proc_rank={self.proc_rank!r}")
+            raise ConfigError(
+                f"{where}: give both proc_size and proc_rank or neither, got proc_size="
+                f"{self.proc_size!r}, proc_rank={self.proc_rank!r}"
+            )
         if self.proc_size is not None:
             size, rank = int_arg(self.proc_size), int_arg(self.proc_rank)
             if size is None or size < 1 or rank is None or not 0 <= rank < size:
-                raise ConfigError(f"{where}: expected ints proc_size >= 1 and 0 <= proc_rank < proc_size, got "
-                                  f"proc_size={self.proc_size!r}, proc_rank={self.proc_rank!r}")
+                raise ConfigError(
+                    f"{where}: expected ints proc_size >= 1 and 0 <= proc_rank < proc_size, got "
+                    f"proc_size={self.proc_size!r}, proc_rank={self.proc_rank!r}"
+                )
         buffer_size = int_arg(self.buffer_size)
         if buffer_size is None or buffer_size < 1:
             raise ConfigError(f"{where}: buffer_size must be an int >= 1, got {self.buffer_size!r}")
@@ -82,7 +86,8 @@ class FileSystemSaver:
             raise ConfigError(
                 f"{where}: save_path={self.save_path!r} is not supported: tfde writes no separate KV files; tables "
                 "are saved in the model's checkpoints: give the directory to tfde.keras.callbacks.ModelCheckpoint "
-                f"or tfde.CheckpointManager instead (see {_args.GUIDE})")
+                f"or tfde.CheckpointManager instead (see {_args.GUIDE})"
+            )
 
 
 def _check_saver(where: str, saver) -> None:
@@ -109,8 +114,9 @@ def CuckooHashTableCreator(config=None, saver=None) -> tfde.CuckooTableCreator:
 TFRA_CONFIG_ENV = "TFRA_REDIS_CONFIG_PATH"
 
 
-def RedisTableConfig(redis_config_abs_dir=None, redis_config_abs_dir_env: Optional[str] = None,
-                     **fields) -> tfde.RedisTableConfig:
+def RedisTableConfig(
+    redis_config_abs_dir=None, redis_config_abs_dir_env: Optional[str] = None, **fields
+) -> tfde.RedisTableConfig:
     """A tfde.RedisTableConfig from TFRA's arguments, found as TFRA finds it:
     the file named by the environment variable `redis_config_abs_dir_env`
     when given; else the file named by $TFRA_REDIS_CONFIG_PATH when that is
@@ -124,8 +130,11 @@ def RedisTableConfig(redis_config_abs_dir=None, redis_config_abs_dir_env: Option
         config = tfde.RedisTableConfig.from_env(redis_config_abs_dir_env)
     elif os.environ.get(TFRA_CONFIG_ENV):
         if redis_config_abs_dir is not None:
-            warnings.warn(f"{where}: ${TFRA_CONFIG_ENV} is set, so its file {os.environ[TFRA_CONFIG_ENV]!r} is used "
-                          f"instead of redis_config_abs_dir={redis_config_abs_dir!r} (as TFRA does)", stacklevel=2)
+            warnings.warn(
+                f"{where}: ${TFRA_CONFIG_ENV} is set, so its file {os.environ[TFRA_CONFIG_ENV]!r} is used "
+                f"instead of redis_config_abs_dir={redis_config_abs_dir!r} (as TFRA does)",
+                stacklevel=2,
+            )
         config = tfde.RedisTableConfig.from_env(TFRA_CONFIG_ENV)
     elif redis_config_abs_dir is not None:
         config = tfde.RedisTableConfig.from_path(_args.fspath(where, "redis_config_abs_dir", redis_config_abs_dir))
@@ -135,8 +144,10 @@ def RedisTableConfig(redis_config_abs_dir=None, redis_config_abs_dir_env: Option
         known = {f.name for f in dataclasses.fields(tfde.RedisTableConfig)}
         unknown = sorted(set(fields) - known)
         if unknown:
-            raise ConfigError(f"{where}: unknown Redis config field(s) {unknown}; expected redis_config_abs_dir, "
-                              f"redis_config_abs_dir_env or fields of TFRA's redis.config: {sorted(known)}")
+            raise ConfigError(
+                f"{where}: unknown Redis config field(s) {unknown}; expected redis_config_abs_dir, "
+                f"redis_config_abs_dir_env or fields of TFRA's redis.config: {sorted(known)}"
+            )
         config = tfde.RedisTableConfig.from_dict({**dataclasses.asdict(config), **fields}, source=where)
     return config
 
@@ -152,30 +163,79 @@ def RedisTableCreator(config=None, saver=None) -> tfde.RedisTableCreator:
 # ------------------------------------------------------------ variables and lookups
 
 
-def Variable(key_dtype=tf.int64, value_dtype=tf.float32, dim=1, devices=None, partitioner=None, shared_name=None,
-             name="DynamicEmbedding_Variable", initializer=None, trainable=True, checkpoint=True, init_size=0,
-             kv_creator=None, restrict_policy=None, bp_v2=False, short_file_name=False) -> tfde.Variable:
+def Variable(
+    key_dtype=tf.int64,
+    value_dtype=tf.float32,
+    dim=1,
+    devices=None,
+    partitioner=None,
+    shared_name=None,
+    name="DynamicEmbedding_Variable",
+    initializer=None,
+    trainable=True,
+    checkpoint=True,
+    init_size=0,
+    kv_creator=None,
+    restrict_policy=None,
+    bp_v2=False,
+    short_file_name=False,
+) -> tfde.Variable:
     """A tfde.Variable from TFRA's Variable arguments.  As in TFRA, a missing
     key reads zeros when no initializer is given (tfde's own default is
     uniform); shared_name and short_file_name are accepted and unused."""
     where = "de.Variable"
-    kwargs = _args.variable_kwargs(where, devices=devices, partitioner=partitioner,
-                                   initializer=0.0 if initializer is None else initializer, trainable=trainable,
-                                   checkpoint=checkpoint, init_size=init_size, kv_creator=kv_creator,
-                                   restrict_policy=restrict_policy, bp_v2=bp_v2)
+    kwargs = _args.variable_kwargs(
+        where,
+        devices=devices,
+        partitioner=partitioner,
+        initializer=0.0 if initializer is None else initializer,
+        trainable=trainable,
+        checkpoint=checkpoint,
+        init_size=init_size,
+        kv_creator=kv_creator,
+        restrict_policy=restrict_policy,
+        bp_v2=bp_v2,
+    )
     return tfde.Variable(name, key_dtype=key_dtype, value_dtype=value_dtype, dim=dim, **kwargs)
 
 
-def get_variable(name, key_dtype=tf.int64, value_dtype=tf.float32, dim=1, devices=None, partitioner=None,
-                 shared_name="get_variable", initializer=None, trainable=True, checkpoint=True, init_size=0,
-                 kv_creator=None, restrict_policy=None, bp_v2=False, short_file_name=False) -> tfde.Variable:
+def get_variable(
+    name,
+    key_dtype=tf.int64,
+    value_dtype=tf.float32,
+    dim=1,
+    devices=None,
+    partitioner=None,
+    shared_name="get_variable",
+    initializer=None,
+    trainable=True,
+    checkpoint=True,
+    init_size=0,
+    kv_creator=None,
+    restrict_policy=None,
+    bp_v2=False,
+    short_file_name=False,
+) -> tfde.Variable:
     """A new tfde.Variable (as Variable above).  Unlike TFRA's, it does not
     return an earlier Variable of the same name from a variable scope: keep
     the object you made."""
-    return Variable(key_dtype=key_dtype, value_dtype=value_dtype, dim=dim, devices=devices, partitioner=partitioner,
-                    shared_name=shared_name, name=name, initializer=initializer, trainable=trainable,
-                    checkpoint=checkpoint, init_size=init_size, kv_creator=kv_creator,
-                    restrict_policy=restrict_policy, bp_v2=bp_v2, short_file_name=short_file_name)
+    return Variable(
+        key_dtype=key_dtype,
+        value_dtype=value_dtype,
+        dim=dim,
+        devices=devices,
+        partitioner=partitioner,
+        shared_name=shared_name,
+        name=name,
+        initializer=initializer,
+        trainable=trainable,
+        checkpoint=checkpoint,
+        init_size=init_size,
+        kv_creator=kv_creator,
+        restrict_policy=restrict_policy,
+        bp_v2=bp_v2,
+        short_file_name=short_file_name,
+    )
 
 
 def _params(params):
@@ -191,8 +251,9 @@ def _with_trainable(rows, params, return_trainable: bool):
     return (rows, params.step_buffer) if return_trainable else rows
 
 
-def embedding_lookup(params, ids, partition_strategy=None, name=None, validate_indices=None, max_norm=None,
-                     return_trainable=False):
+def embedding_lookup(
+    params, ids, partition_strategy=None, name=None, validate_indices=None, max_norm=None, return_trainable=False
+):
     """tfde.embedding_lookup: rows ``ids.shape + [dim]``; never inserts.
     return_trainable=True also returns the Variable's step buffer, the
     tensor to differentiate and to give the optimizer (TFRA's
@@ -204,14 +265,23 @@ def embedding_lookup(params, ids, partition_strategy=None, name=None, validate_i
     return _with_trainable(tfde.embedding_lookup(params, ids, name=name), params, return_trainable)
 
 
-def embedding_lookup_unique(params, ids, partition_strategy=None, name=None, validate_indices=None, max_norm=None,
-                            return_trainable=False):
+def embedding_lookup_unique(
+    params, ids, partition_strategy=None, name=None, validate_indices=None, max_norm=None, return_trainable=False
+):
     """embedding_lookup: tfde deduplicates the ids of every lookup."""
     return embedding_lookup(params, ids, partition_strategy, name, validate_indices, max_norm, return_trainable)
 
 
-def embedding_lookup_sparse(params, sp_ids, sp_weights, partition_strategy=None, name="embedding_lookup_sparse",
-                            combiner="mean", max_norm=None, return_trainable=False):
+def embedding_lookup_sparse(
+    params,
+    sp_ids,
+    sp_weights,
+    partition_strategy=None,
+    name="embedding_lookup_sparse",
+    combiner="mean",
+    max_norm=None,
+    return_trainable=False,
+):
     """tfde.embedding_lookup_sparse: ``[batch, dim]`` rows combined per row
     of a 2-D SparseTensor ('sum', 'mean' or 'sqrtn')."""
     where = "de.embedding_lookup_sparse"
@@ -242,10 +312,16 @@ def DynamicEmbeddingOptimizer(optimizer, bp_v2=False, synchronous=None, **kwargs
         raise ConfigError(
             f"{where}: synchronous={synchronous!r} is not supported: tfde always averages dense gradients over "
             "Horovod workers and exchanges the embedding gradients, so training is always synchronous and exact "
-            f"(N workers train like one on the combined batch). Drop synchronous= (see {_args.GUIDE})")
-    _args.require(where, "bp_v2", bp_v2, False,
-                  "tfde's training steps are synchronous and write each key once per step, so there is no race "
-                  "between workers to add deltas for")
+            f"(N workers train like one on the combined batch). Drop synchronous= (see {_args.GUIDE})"
+        )
+    _args.require(
+        where,
+        "bp_v2",
+        bp_v2,
+        False,
+        "tfde's training steps are synchronous and write each key once per step, so there is no race "
+        "between workers to add deltas for",
+    )
     return tfde.DynamicEmbeddingOptimizer(optimizer)
 
 
@@ -271,7 +347,7 @@ _NOT_PROVIDED = {
     "RedisTable": "tables are made by creators here: pass kv_creator=RedisTableCreator(config)",
     "KVCreator": "creators are tfde TableCreators (tfde.tables.TableCreator)",
     "TrainableWrapper": "tfde has no trainable wrapper: a Variable's trainable tensor is var.step_buffer "
-                        "(embedding_lookup(..., return_trainable=True) returns it)",
+    "(embedding_lookup(..., return_trainable=True) returns it)",
     "DistributedVariableWrapper": "tfde has no trainable wrapper: a Variable's trainable tensor is var.step_buffer",
     "DEResourceVariable": "tfde has no trainable wrapper: a Variable's trainable tensor is var.step_buffer",
     "shadow_ops": "tfde has no shadow variables: use embedding_lookup or the Keras layers",
@@ -291,8 +367,7 @@ _NOT_PROVIDED = {
 def _not_provided(module: str, table: dict):
     def __getattr__(name):
         if name in table:
-            raise AttributeError(f"{module}.{name} (TFRA) has no tfde counterpart: {table[name]} "
-                                 f"(see {_args.GUIDE})")
+            raise AttributeError(f"{module}.{name} (TFRA) has no tfde counterpart: {table[name]} (see {_args.GUIDE})")
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
@@ -301,8 +376,21 @@ def _not_provided(module: str, table: dict):
 __getattr__ = _not_provided(__name__, _NOT_PROVIDED)
 
 __all__ = [
-    "CuckooHashTableConfig", "CuckooHashTableCreator", "DynamicEmbeddingOptimizer", "FileSystemSaver",
-    "FrequencyRestrictPolicy", "RedisTableConfig", "RedisTableCreator", "RestrictPolicy", "TimestampRestrictPolicy",
-    "Variable", "embedding_lookup", "embedding_lookup_sparse", "embedding_lookup_unique", "enable_inference_mode",
-    "enable_train_mode", "get_variable", "keras",
+    "CuckooHashTableConfig",
+    "CuckooHashTableCreator",
+    "DynamicEmbeddingOptimizer",
+    "FileSystemSaver",
+    "FrequencyRestrictPolicy",
+    "RedisTableConfig",
+    "RedisTableCreator",
+    "RestrictPolicy",
+    "TimestampRestrictPolicy",
+    "Variable",
+    "embedding_lookup",
+    "embedding_lookup_sparse",
+    "embedding_lookup_unique",
+    "enable_inference_mode",
+    "enable_train_mode",
+    "get_variable",
+    "keras",
 ]
