@@ -1,6 +1,9 @@
 """DynamicEmbeddingOptimizer: for every supported optimizer, 20 training
 steps of a tfde embedding give the same touched rows (rtol 1e-5, atol 2e-5)
-as a float64 numpy implementation of that optimizer's lazy update."""
+as a float64 numpy implementation of that optimizer's lazy update; and, as a
+reference written by others, the same rows as Keras's own optimizer on a
+dense table when every row is in every batch (a deliberate error in
+tfde/optimizer_rules.py's amsgrad fails that test)."""
 
 import math
 
@@ -308,3 +311,36 @@ def test_global_clipnorm_with_a_nan_dense_gradient_clips_rows_over_the_finite_pa
     plain = tf.Variable([1.0, 2.0])
     getattr(K, kind)(**cfg).apply_gradients([(tf.constant(dense_grad), plain)])
     np.testing.assert_array_equal(w, plain.numpy())
+
+
+# ------------------------------------------- an independent reference: Keras
+
+ALL_TOUCHED_STEPS = 12
+
+
+@pytest.mark.parametrize("kind,cfg", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)])
+def test_rows_touched_every_step_train_as_keras_trains_a_dense_table(kind, cfg):
+    """The reference is not tfde's formulas (nor the numpy ones above, which
+    were written beside them): Keras's own optimizer, of the same class and
+    config, on a dense tf.Variable holding the same initial rows.  Every row
+    of the vocabulary is in every batch (some twice), so the lazy update and
+    the dense one are the same update."""
+    var = tfde.Variable("keras-ref", dim=DIM, initializer=tf.keras.initializers.RandomUniform(-1, 1, seed=3))
+    initial = var.lookup(tf.range(VOCAB, dtype=tf.int64)).numpy()
+    dense = tf.Variable(initial)
+    mine = tfde.DynamicEmbeddingOptimizer(getattr(K, kind)(**cfg))
+    keras_opt = getattr(K, kind)(**cfg)
+    rng = np.random.default_rng(7)
+    for _ in range(ALL_TOUCHED_STEPS):
+        ids = np.concatenate([rng.permutation(VOCAB), rng.integers(0, VOCAB, 5)])
+        c = tf.constant(rng.standard_normal((len(ids), DIM)), tf.float32)
+        ids = tf.constant(ids, tf.int64)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tfde.embedding_lookup(var, ids, training=True) * c)
+        mine.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(dense, ids) * c)
+        keras_opt.apply_gradients([(tf.convert_to_tensor(tape.gradient(loss, dense)), dense)])
+    got = var.lookup(tf.range(VOCAB, dtype=tf.int64)).numpy()
+    assert np.abs(got - initial).max() > 1e-3  # the rows moved
+    np.testing.assert_allclose(got, dense.numpy(), rtol=1e-5, atol=2e-6)
