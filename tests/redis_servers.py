@@ -42,11 +42,18 @@ def _server(*args, cwd=None):
     return proc
 
 
-def _wait(predicate, what, timeout_s=20.0):
+class _PortTaken(Exception):
+    """The server exited before it answered: another process bound its port
+    between free_port() and the server's own bind."""
+
+
+def _wait(predicate, what, timeout_s=20.0, proc=None):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise _PortTaken(what)
         try:
-            if predicate():
+            if predicate() and (proc is None or proc.poll() is None):
                 return
         except (redis.ConnectionError, redis.ResponseError):
             pass
@@ -54,28 +61,48 @@ def _wait(predicate, what, timeout_s=20.0):
     raise RuntimeError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def _on_a_free_port(start, pick=None, attempts=5):
+    """start(port) -> the server's process, waited for with _wait(proc=):
+    a port another process took first is given up for a new one."""
+    for _ in range(attempts):
+        port = (pick or free_port)()
+        try:
+            start(port)
+            return port
+        except _PortTaken:
+            continue
+    raise RuntimeError(f"no redis-server could bind a free port in {attempts} attempts")
+
+
 def standalone(extra=()):
     """A fresh standalone server; returns its port."""
-    port = free_port()
-    _server("--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra)
-    _wait(lambda: redis.Redis(port=port, password=_password(extra)).ping(), f"redis-server on {port}")
-    return port
+
+    def start(port):
+        proc = _server("--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra)
+        _wait(lambda: redis.Redis(port=port, password=_password(extra)).ping(), f"redis-server on {port}", proc=proc)
+
+    return _on_a_free_port(start)
 
 
 class Restartable:
-    """A standalone server that writes every change to its append-only file,
-    so it can be killed (-9) and started again on the same port with its data."""
+    """A standalone server that can be killed (-9) and started again on the
+    same port: with its data (persist: every change goes to its append-only
+    file) or empty."""
 
-    def __init__(self):
-        self.port = free_port()
+    def __init__(self, persist: bool = True):
         self.dir = tempfile.mkdtemp(prefix="tfde-aof-")
+        self.persist = persist  # False: it comes back empty
         self.proc = None
-        self.start()
+        self.port = _on_a_free_port(self._start_on)
+
+    def _start_on(self, port):
+        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
+        self.proc = _server("--port", str(port), "--bind", "127.0.0.1", "--save", "", *aof, "--dir", self.dir)
+        _wait(lambda: redis.Redis(port=port).ping(), f"redis-server on {port}", proc=self.proc)
 
     def start(self):
-        self.proc = _server("--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-                            "--appendfsync", "always", "--dir", self.dir)
-        _wait(lambda: redis.Redis(port=self.port).ping(), f"redis-server on {self.port}")
+        """Again, on its port (the data comes back from the append-only file)."""
+        self._start_on(self.port)
 
     def kill(self):
         self.proc.kill()
@@ -91,12 +118,13 @@ def cluster():
     """Ports of a 3-master cluster (no replicas), slots all assigned."""
     if "cluster" not in _cache:
         work = tempfile.mkdtemp(prefix="tfde-cluster-")
-        ports = [cluster_port() for _ in range(3)]
-        for p in ports:
-            _server("--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes", "--cluster-config-file",
-                    f"nodes-{p}.conf", "--save", "", "--appendonly", "no", cwd=work)
-        for p in ports:
-            _wait(lambda p=p: redis.Redis(port=p).ping(), f"cluster node {p}")
+
+        def start(p):
+            proc = _server("--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                           "--cluster-config-file", f"nodes-{p}.conf", "--save", "", "--appendonly", "no", cwd=work)
+            _wait(lambda: redis.Redis(port=p).ping(), f"cluster node {p}", proc=proc)
+
+        ports = [_on_a_free_port(start, pick=cluster_port) for _ in range(3)]
         subprocess.run([shutil.which("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
         _wait(lambda: all(_cluster_ok(p) for p in ports), "cluster_state:ok")
@@ -115,14 +143,17 @@ def sentinel():
     """(sentinel port, master port) with the master monitored as 'master'."""
     if "sentinel" not in _cache:
         master = standalone()
-        port = free_port()
-        conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
-        conf.write(f"port {port}\nbind 127.0.0.1\nsentinel monitor master 127.0.0.1 {master} 1\n"
-                   "sentinel down-after-milliseconds master 2000\n")
-        conf.close()
-        _server(conf.name, "--sentinel")
-        _wait(lambda: redis.Redis(port=port).execute_command("SENTINEL get-master-addr-by-name master"),
-              f"sentinel on {port}")
+
+        def start(port):
+            conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
+            conf.write(f"port {port}\nbind 127.0.0.1\nsentinel monitor master 127.0.0.1 {master} 1\n"
+                       "sentinel down-after-milliseconds master 2000\n")
+            conf.close()
+            proc = _server(conf.name, "--sentinel")
+            _wait(lambda: redis.Redis(port=port).execute_command("SENTINEL get-master-addr-by-name master"),
+                  f"sentinel on {port}", proc=proc)
+
+        port = _on_a_free_port(start)
         _cache["sentinel"] = (port, master)
     return _cache["sentinel"]
 

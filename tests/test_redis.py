@@ -35,21 +35,7 @@ def tag():
 @pytest.fixture
 def protected_server():
     """A redis-server of our own on a free loopback port, with a password."""
-    port = redis_servers.free_port()
-    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--requirepass", "s3cret"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            try:
-                redis.Redis(port=port, password="s3cret").ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    return redis_servers.standalone(["--requirepass", "s3cret"])
 
 
 # ------------------------------------------------------------ config
@@ -241,8 +227,12 @@ def test_server_killed_and_restarted_during_training():
 
     def crash_at_10(step):
         if step == 10:
+            # Killed between two steps and back on its port (with its data)
+            # before the next: that step's calls meet dead connections and
+            # must reconnect and retry.  Started here, not by a timer racing
+            # the client's backoff (4 retries, 0.75 s in all).
             server.kill()
-            threading.Timer(0.3, server.start).start()  # back before the retries run out
+            server.start()
 
     _sgd_steps(var, 20, crash_at_10)
     np.testing.assert_allclose(var.lookup(tf.range(40, dtype=tf.int64)).numpy(), _reference_rows(20),

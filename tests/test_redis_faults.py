@@ -61,32 +61,12 @@ def _variable(port, tag, name="v", **config):
     return tfde.Variable(name, dim=4, seed=1, table_creator=creator)
 
 
-class _Ephemeral:
+class _Ephemeral(redis_servers.Restartable):
     """A private redis-server without persistence that can be killed and
     started again on its port: it comes back empty."""
 
     def __init__(self):
-        self.port = redis_servers.free_port()
-        self.proc = None
-        self.start()
-
-    def start(self):
-        self.proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                redis.Redis(port=self.port).ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-
-    def kill(self):
-        self.proc.kill()
-        self.proc.wait(timeout=10)
+        super().__init__(persist=False)
 
     def restart_empty(self):
         self.kill()

@@ -33,6 +33,17 @@ def _saving_dir(directory, kind):
     return found[0] if found else None
 
 
+def _stop(proc):
+    """SIGSTOP, returning once the process is stopped (state T in /proc)."""
+    proc.send_signal(signal.SIGSTOP)
+    for _ in range(2000):
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"process {proc.pid} did not stop")
+
+
 @pytest.mark.parametrize("kind", ["tfde", "tf"])
 def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, kind):
     directory = str(tmp_path / "ck")
@@ -45,9 +56,17 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, kind):
             line = proc.stdout.readline()
             assert line and time.monotonic() < deadline, "".join(lines)[-3000:]
             lines.append(line)
-        while _saving_dir(directory, kind) is None:  # the second save has started writing
-            assert proc.poll() is None and time.monotonic() < deadline, "the job stopped before saving again"
-            time.sleep(0.002)
+        while True:
+            while _saving_dir(directory, kind) is None:  # a save has started writing
+                assert proc.poll() is None and time.monotonic() < deadline, "the job stopped before saving again"
+                time.sleep(0.002)
+            # Frozen, then looked at again: the kill must land inside a
+            # save, and a save that finished between the look and the
+            # signal is let go for the next one (no race with the poll).
+            _stop(proc)
+            if _saving_dir(directory, kind) is not None:
+                break
+            proc.send_signal(signal.SIGCONT)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
