@@ -39,7 +39,7 @@ class AdmissionFilter(abc.ABC):
         self.default = default
         self.variable = None
 
-    def bind(self, variable) -> None:
+    def bind(self, variable: Variable) -> None:
         if self.variable is not None and self.variable is not variable:
             raise ConfigError(
                 f"this {type(self).__name__} already belongs to Variable {self.variable.name!r}; an admission filter "
@@ -65,7 +65,7 @@ class CounterFilter(AdmissionFilter):
         self.min_count = min_count
         self.counts = None
 
-    def bind(self, variable) -> None:
+    def bind(self, variable: Variable) -> None:
         super().bind(variable)
         with tf.init_scope():
             self.counts = Variable(
@@ -79,10 +79,10 @@ class CounterFilter(AdmissionFilter):
                 trainable=False,
             )
 
-    def get_config(self):
+    def get_config(self) -> dict:
         return {"min_count": self.min_count, **super().get_config()}
 
-    def admit(self, keys, stored):
+    def admit(self, keys: tf.Tensor, stored: tf.Tensor) -> tf.Tensor:
         candidates = tf.boolean_mask(keys, ~stored)
         # A local read: the candidates are this worker's own keys (in
         # distributed training the owner decides), so no exchange is needed.
@@ -106,10 +106,10 @@ class ProbabilityFilter(AdmissionFilter):
             raise ConfigError(f"p must be a probability in [0, 1], got {p!r}")
         self.p, self.seed = float(p), int(seed)
 
-    def get_config(self):
+    def get_config(self) -> dict:
         return {"p": self.p, "seed": self.seed, **super().get_config()}
 
-    def admit(self, keys, stored):
+    def admit(self, keys: tf.Tensor, stored: tf.Tensor) -> tf.Tensor:
         # Mix the seed into the stable hash, then compare the top 53 bits
         # (exact in float64) with p.
         h = tf.bitcast(stable_hash(keys), tf.uint64)

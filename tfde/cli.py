@@ -1,6 +1,6 @@
 """The commands of `tfde` (the parser and the process set-up are in
 tfde_cli.py, outside the package, so that they run before TensorFlow is
-imported; docs/cli.md)."""
+imported; docs/install.md)."""
 
 from __future__ import annotations
 

@@ -8,11 +8,12 @@ tfde.DynamicEmbeddingOptimizer (see tfde/variable.py).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import tensorflow as tf
 
 from tfde.errors import ConfigError, ShapeError
+from tfde.types import KeysLike
 from tfde.variable import Variable, in_tf_data_function
 
 COMBINERS = ("sum", "mean", "sqrtn")
@@ -58,7 +59,9 @@ def _rows_for_unique(var: Variable, flat_ids, training):
     return tf.gather(var._read_unique(unique), positions)
 
 
-def embedding_lookup(var: Variable, ids, training: Optional[bool] = None, name: Optional[str] = None):
+def embedding_lookup(
+    var: Variable, ids: KeysLike, training: Optional[bool] = None, name: Optional[str] = None
+) -> tf.Tensor:
     """Rows of `ids` (any shape): output ``ids.shape + [dim]``.
 
     Args:
@@ -106,7 +109,7 @@ def embedding_lookup_sparse(
     combiner: str = "mean",
     training: Optional[bool] = None,
     name: Optional[str] = None,
-):
+) -> tf.Tensor:
     """Combined rows per row of a 2-D SparseTensor of ids: ``[batch, dim]``.
 
     Rows with no ids give zeros.  sp_weights, when given, must have the same
@@ -133,7 +136,7 @@ def embedding_lookup_ragged(
     weights: Optional[tf.RaggedTensor] = None,
     training: Optional[bool] = None,
     name: Optional[str] = None,
-):
+) -> Union[tf.Tensor, tf.RaggedTensor]:
     """Rows of a RaggedTensor of ids.
 
     combiner=None returns the ragged rows (``ids.shape + [dim]``, ragged);

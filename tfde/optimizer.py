@@ -23,6 +23,8 @@ are rejected.
 
 from __future__ import annotations
 
+from typing import Any
+
 import tensorflow as tf
 
 from tfde import exchange as _exchange
@@ -392,7 +394,7 @@ def register_keras_optimizers(optimizers_module) -> None:
             _wrapped_class(base)
 
 
-def DynamicEmbeddingOptimizer(optimizer):
+def DynamicEmbeddingOptimizer(optimizer: Any) -> Any:
     """Returns `optimizer`, upgraded in place to also train tfde Variables.
 
     Args:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -55,12 +55,12 @@ class RestrictPolicy(abc.ABC):
 
     variable = None
 
-    def __init__(self, variable=None):
+    def __init__(self, variable: Optional[Any] = None) -> None:
         # Variables accept a policy class too and instantiate it with
         # themselves; bind() is what attaches a policy to its Variable.
         pass
 
-    def bind(self, variable) -> None:
+    def bind(self, variable: Any) -> None:
         """Called once, when the Variable is created."""
         if self.variable is not None and self.variable is not variable:
             raise ConfigError(
@@ -132,7 +132,7 @@ class _ScoredPolicy(RestrictPolicy):
 
     state = "score"
 
-    def bind(self, variable) -> None:
+    def bind(self, variable: Any) -> None:
         super().bind(variable)
         self.scores = variable.slot(f"policy-{self.state}", 0.0, dim=1, value_dtype=tf.float64)
 
@@ -208,7 +208,7 @@ class FrequencyRestrictPolicy(_ScoredPolicy):
 
     state = "frequency"
 
-    def step_values(self, keys, step):
+    def step_values(self, keys: tf.Tensor, step: tf.Tensor) -> dict:
         # Read and increment (keys are unique, the read runs in the write
         # section): an absolute value joins the step's all-or-nothing write,
         # where an accum would be a write of its own.
@@ -223,19 +223,19 @@ class TimestampRestrictPolicy(_ScoredPolicy):
 
     state = "timestamp"
 
-    def __init__(self, variable=None, clock: str = "step"):
+    def __init__(self, variable: Optional[Any] = None, clock: str = "step") -> None:
         super().__init__(variable)
         if clock not in ("step", "wall"):
             raise ConfigError(f"clock must be 'step' or 'wall', got {clock!r}")
         self.clock = clock
 
-    def get_config(self):
+    def get_config(self) -> dict:
         return {"clock": self.clock}
 
     def _now(self, step):
         return tf.timestamp() if self.clock == "wall" else tf.cast(step, tf.float64)
 
-    def step_values(self, keys, step):
+    def step_values(self, keys: tf.Tensor, step: tf.Tensor) -> dict:
         return {self.scores: tf.fill([tf.size(keys), 1], self._now(step))}
 
 
@@ -243,7 +243,9 @@ class TTLPolicy(TimestampRestrictPolicy):
     """Evicts keys not updated for `ttl_steps` optimizer steps or `ttl_s`
     seconds (give exactly one).  restrict() takes no size arguments."""
 
-    def __init__(self, variable=None, ttl_steps: Optional[int] = None, ttl_s: Optional[float] = None):
+    def __init__(
+        self, variable: Optional[Any] = None, ttl_steps: Optional[int] = None, ttl_s: Optional[float] = None
+    ) -> None:
         if (ttl_steps is None) == (ttl_s is None):
             raise ConfigError("TTLPolicy needs exactly one of ttl_steps= or ttl_s=")
         value = ttl_steps if ttl_steps is not None else ttl_s
@@ -253,7 +255,7 @@ class TTLPolicy(TimestampRestrictPolicy):
         self.ttl = float(value)
         self._latest_step = None
 
-    def bind(self, variable) -> None:
+    def bind(self, variable: Any) -> None:
         super().bind(variable)
         with tf.init_scope():
             self._latest_step = tf.Variable(
@@ -262,7 +264,7 @@ class TTLPolicy(TimestampRestrictPolicy):
                 name=f"{variable.name.replace('/', '_')}_ttl_latest_step",
             )
 
-    def get_config(self):
+    def get_config(self) -> dict:
         return {"ttl_steps": int(self.ttl)} if self.clock == "step" else {"ttl_s": self.ttl}
 
     def after_restore(self) -> None:
@@ -270,10 +272,10 @@ class TTLPolicy(TimestampRestrictPolicy):
         if self.clock == "step":
             self._latest_step.assign(self.scores.max_value(-1.0))
 
-    def on_apply(self, keys, step):
+    def on_apply(self, keys: tf.Tensor, step: tf.Tensor) -> Optional[tf.Operation]:
         return self._latest_step.assign(tf.maximum(self._latest_step, tf.cast(step, tf.float64)))
 
-    def restrict(self, num_reserved=None, trigger=None) -> int:
+    def restrict(self, num_reserved: Optional[int] = None, trigger: Optional[int] = None) -> int:
         if num_reserved is not None or trigger is not None:
             raise ConfigError("TTLPolicy.restrict() takes no num_reserved or trigger: the TTL decides")
         now = time.time() if self.clock == "wall" else float(self._latest_step.numpy())
@@ -299,11 +301,11 @@ class AutoRestrictor:
 
     def __init__(
         self,
-        variables,
+        variables: Sequence[Any],
         every_n_steps: Optional[int] = None,
         max_size: Optional[int] = None,
         num_reserved: Optional[int] = None,
-    ):
+    ) -> None:
         self.variables = list(variables)
         if every_n_steps is None and max_size is None:
             raise ConfigError("AutoRestrictor needs every_n_steps=, max_size= or both")

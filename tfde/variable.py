@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
-from typing import Iterator, Optional, Tuple
+from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -43,6 +43,7 @@ from tfde.hashing import shard_index
 from tfde.local import local_variable
 from tfde.tables.base import (
     DEFAULT_EXPORT_CHUNK_ROWS,
+    Table,
     TableCreator,
     as_keys,
     check_dtypes,
@@ -51,6 +52,7 @@ from tfde.tables.base import (
     key_tensor,
 )
 from tfde.tables.cuckoo import CuckooTableCreator
+from tfde.types import DTypeLike, InitializerLike, KeysLike, RowsLike
 
 _SECTION_IDS = itertools.count()
 
@@ -99,18 +101,18 @@ class Variable(tf.Module):
     def __init__(
         self,
         name: str,
-        key_dtype=tf.int64,
-        value_dtype=tf.float32,
+        key_dtype: DTypeLike = tf.int64,
+        value_dtype: DTypeLike = tf.float32,
         dim: int = 1,
-        initializer=None,
+        initializer: InitializerLike = None,
         seed: Optional[int] = None,
         num_shards: int = 1,
         table_creator: Optional[TableCreator] = None,
-        restrict_policy=None,
-        admission_filter=None,
+        restrict_policy: Optional[Any] = None,
+        admission_filter: Optional[Any] = None,
         trainable: bool = True,
         track_changes: bool = False,
-    ):
+    ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"a Variable needs a non-empty string name, got {name!r}")
         super().__init__(name=_module_name(name))
@@ -190,7 +192,7 @@ class Variable(tf.Module):
         return list(self._tables)
 
     @contextlib.contextmanager
-    def serving_from(self, tables):
+    def serving_from(self, tables: Sequence[Table]) -> Iterator[None]:
         """Within: lookups read `tables` instead of this Variable's own: one
         table holding every key, or one per shard in this Variable's routing
         (read-only views, Table.serving_view); every write through the
@@ -340,7 +342,7 @@ class Variable(tf.Module):
 
     # ------------------------------------------------------------ public API
 
-    def lookup(self, keys, return_exists: bool = False):
+    def lookup(self, keys: KeysLike, return_exists: bool = False) -> Union[tf.Tensor, Tuple[tf.Tensor, tf.Tensor]]:
         """Rows of `keys`, shape ``keys.shape + [dim]``; never inserts.
 
         `keys`: a tensor of key_dtype, or Python ints / a numpy integer array
@@ -364,13 +366,13 @@ class Variable(tf.Module):
             return values, tf.reshape(exists, shape)
         return values
 
-    def upsert(self, keys, values):
+    def upsert(self, keys: KeysLike, values: RowsLike) -> tf.Operation:
         """Stores `values` (``keys.shape + [dim]``) under `keys`."""
         flat = self._flat_keys(keys)
         rows = self._counted(flat, self._rows_arg(values))
         return tf.group(self._for_each_shard(flat, rows, lambda t, k, r: t.insert(k, r)))
 
-    def accum(self, keys, deltas):
+    def accum(self, keys: KeysLike, deltas: RowsLike) -> tf.Operation:
         """Adds `deltas` to the rows of `keys`; a key not stored yet starts from
         its initial row.  Duplicated keys add up."""
         flat = self._flat_keys(keys)
@@ -382,7 +384,7 @@ class Variable(tf.Module):
 
         return tf.group(self._for_each_shard(flat, rows, one))
 
-    def remove(self, keys):
+    def remove(self, keys: KeysLike) -> tf.Tensor:
         """Removes `keys` from the rows, every slot (optimizer and policy
         state) and the change log, in one step of the write section: a
         training step never sees a key half removed.  Returns how many rows
@@ -402,7 +404,7 @@ class Variable(tf.Module):
                 slot_writes += [count] + writes
         return removed, slot_writes
 
-    def clear(self):
+    def clear(self) -> tf.Tensor:
         """Removes every key, slots included (in the write section)."""
         return self._exclusively(tf.zeros([0], self.key_dtype), lambda _: (tf.constant(True), self._clear_all()))
 
@@ -454,7 +456,7 @@ class Variable(tf.Module):
             floor = max(floor, float(tf.reduce_max(rows)))
         return floor
 
-    def import_(self, keys, values, replace: bool = False):
+    def import_(self, keys: KeysLike, values: RowsLike, replace: bool = False) -> Optional[tf.Operation]:
         """Upserts (keys, values); replace=True clears the Variable first
         (rows and slots).  Bad input (key dtype, row dtype or dim, as many
         rows as keys) is refused before anything is cleared."""
@@ -485,7 +487,9 @@ class Variable(tf.Module):
 
     # ------------------------------------------------------------ slots
 
-    def slot(self, slot_name: str, initial_value: float, dim: Optional[int] = None, value_dtype=None) -> "Variable":
+    def slot(
+        self, slot_name: str, initial_value: float, dim: Optional[int] = None, value_dtype: Optional[DTypeLike] = None
+    ) -> "Variable":
         """The slot `slot_name` (optimizer state, policy state): a Variable of
         the same key dtype, sharding and backend (and, unless given, dim and
         value dtype) whose missing rows read `initial_value`.  Created on
@@ -706,7 +710,12 @@ def model_variables(model) -> list:
 
 
 def get_variable(
-    name: str, key_dtype=tf.int64, value_dtype=tf.float32, dim: int = 1, initializer=None, **kwargs
+    name: str,
+    key_dtype: DTypeLike = tf.int64,
+    value_dtype: DTypeLike = tf.float32,
+    dim: int = 1,
+    initializer: InitializerLike = None,
+    **kwargs: Any,
 ) -> Variable:
     """Creates a tfde.Variable (TFRA-style spelling of the constructor)."""
     return Variable(name, key_dtype=key_dtype, value_dtype=value_dtype, dim=dim, initializer=initializer, **kwargs)

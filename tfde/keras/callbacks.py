@@ -3,7 +3,7 @@ model.fit) and ModelCheckpoint (atomic, per-worker checkpoints)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -35,14 +35,14 @@ class RestrictCallback(tf.keras.callbacks.Callback):
         every_n_steps: Optional[int] = None,
         max_size: Optional[int] = None,
         num_reserved: Optional[int] = None,
-        variables=None,
-    ):
+        variables: Optional[Sequence[Any]] = None,
+    ) -> None:
         super().__init__()
         self._args = dict(every_n_steps=every_n_steps, max_size=max_size, num_reserved=num_reserved)
         self._variables = variables
         self.restrictor = None
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
         variables = self._variables if self._variables is not None else _policy_variables(self.model)
         if not variables:
             raise ConfigError(
@@ -51,7 +51,7 @@ class RestrictCallback(tf.keras.callbacks.Callback):
             )
         self.restrictor = AutoRestrictor(variables, **self._args)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         self.restrictor.after_step(int(self.model.optimizer.iterations.numpy()))
 
 
@@ -74,7 +74,13 @@ class ModelCheckpoint(tf.keras.callbacks.Callback):
       >>> model.fit(data, epochs=3, callbacks=[tfde.keras.callbacks.ModelCheckpoint("ckpts", save_freq=1000)])
     """
 
-    def __init__(self, directory: str, save_freq="epoch", max_to_keep: Optional[int] = 5, restore: bool = False):
+    def __init__(
+        self,
+        directory: str,
+        save_freq: Union[str, int] = "epoch",
+        max_to_keep: Optional[int] = 5,
+        restore: bool = False,
+    ) -> None:
         super().__init__()
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
             raise ConfigError(f"save_freq must be 'epoch' or an int >= 1 (steps), got {save_freq!r}")
@@ -96,16 +102,16 @@ class ModelCheckpoint(tf.keras.callbacks.Callback):
             )
         return self.manager
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
         if self.restore:
             self.restored_from = self._manager().restore()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         if self.save_freq != "epoch":
             step = int(self.model.optimizer.iterations.numpy())
             if step % self.save_freq == 0:
                 self._manager().save(step)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         if self.save_freq == "epoch":
             self._manager().save()

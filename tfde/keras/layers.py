@@ -7,7 +7,7 @@ Layer, so import tfde after setting that variable.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -20,6 +20,7 @@ from tfde.lookup import COMBINERS, _combine, embedding_lookup, embedding_lookup_
 from tfde.policy import FrequencyRestrictPolicy, TimestampRestrictPolicy, TTLPolicy
 from tfde.saving import state
 from tfde.tables.base import TableCreator, cast_keys, creator_config, creator_from_config, exact_key_array, key_tensor
+from tfde.types import DTypeLike, InitializerLike
 from tfde.variable import Variable, is_step_buffer
 
 _keras = tf.keras
@@ -162,19 +163,19 @@ class Embedding(_keras.layers.Layer):
     def __init__(
         self,
         embedding_size: int,
-        key_dtype=tf.int64,
-        value_dtype=tf.float32,
-        initializer=None,
+        key_dtype: DTypeLike = tf.int64,
+        value_dtype: DTypeLike = tf.float32,
+        initializer: InitializerLike = None,
         combiner: Optional[str] = None,
         num_shards: int = 1,
         table_creator: Optional[TableCreator] = None,
-        restrict_policy=None,
-        admission_filter=None,
+        restrict_policy: Optional[Any] = None,
+        admission_filter: Optional[Any] = None,
         seed: Optional[int] = None,
         name: Optional[str] = None,
         track_changes: bool = False,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         _refuse_tfra_kwargs(type(self).__name__, kwargs)
         kwargs.pop("dtype", None)
         kwargs.pop("autocast", None)
@@ -229,13 +230,13 @@ class Embedding(_keras.layers.Layer):
         else:
             self._tfde_step_buffer = buffer  # tf-keras tracks tf.Variable attributes
 
-    def build(self, input_shape=None):
+    def build(self, input_shape: Any = None) -> None:
         self.built = True
 
     if IS_KERAS3:
         # The layer's dtype policy is the key dtype (see __init__), so outputs
         # are declared with the value dtype here.
-        def compute_output_spec(self, inputs, training=None):
+        def compute_output_spec(self, inputs: Any, training: Optional[bool] = None) -> Any:
             shape = tf.TensorShape(inputs.shape)
             return _keras.KerasTensor(self.compute_output_shape(shape), dtype=self.value_dtype.name)
 
@@ -281,10 +282,10 @@ class Embedding(_keras.layers.Layer):
             out.set_shape(ids.shape[:-1].concatenate([self.embedding_size]))
         return out
 
-    def call(self, inputs, training=None):
+    def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
         return self._lookup(inputs, training, self.combiner)
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: Any) -> tuple:
         shape = tf.TensorShape(input_shape)
         if self.combiner is not None:
             shape = shape[:-1]
@@ -296,13 +297,13 @@ class Embedding(_keras.layers.Layer):
     # policy and admission state; tfde/keras/store.py), not its step buffer,
     # which is empty between steps.
 
-    def save_own_variables(self, store):
+    def save_own_variables(self, store: Any) -> None:
         state.save_variable(self.params, StoreWriter(store))
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: Any) -> None:
         state.restore_variable(self.params, [StoreReader(store, f"the weights of layer {self.name!r}")])
 
-    def get_config(self):
+    def get_config(self) -> dict:
         config = super().get_config()
         config.pop("dtype", None)
         config.pop("autocast", None)  # always False (see __init__)
@@ -324,7 +325,7 @@ class Embedding(_keras.layers.Layer):
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict) -> "Embedding":
         config = dict(config)
         config["initializer"] = _deserialize_initializer(config.get("initializer"))
         config["table_creator"] = creator_from_config(config.get("table_creator"))
@@ -344,12 +345,12 @@ class SquashedEmbedding(Embedding):
       [[3.0, 3.0, 3.0, 3.0]]
     """
 
-    def __init__(self, embedding_size: int, combiner: str = "sum", **kwargs):
+    def __init__(self, embedding_size: int, combiner: str = "sum", **kwargs: Any) -> None:
         if combiner is None:
             raise ConfigError("SquashedEmbedding needs a combiner: 'sum', 'mean' or 'sqrtn'")
         super().__init__(embedding_size, combiner=combiner, **kwargs)
 
-    def call(self, inputs, training=None):
+    def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
         if isinstance(inputs, (tf.SparseTensor, tf.RaggedTensor)):
             return self._lookup(inputs, training, self.combiner)
         ids = self._ids(inputs)
@@ -358,5 +359,5 @@ class SquashedEmbedding(Embedding):
         batch = tf.shape(ids)[0]
         return self._lookup(tf.reshape(ids, [batch, -1]), training, self.combiner)
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: Any) -> tuple:
         return (tf.TensorShape(input_shape)[0], self.embedding_size)

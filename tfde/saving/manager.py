@@ -53,7 +53,7 @@ import os
 import re
 import shutil
 import signal
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -135,7 +135,13 @@ class CheckpointManager:
       >>> manager.restore()     # the latest checkpoint, or None when there is none
     """
 
-    def __init__(self, directory: str, max_to_keep: Optional[int] = 5, strategy=None, **objects):
+    def __init__(
+        self,
+        directory: str,
+        max_to_keep: Optional[int] = 5,
+        strategy: Optional[tf.distribute.Strategy] = None,
+        **objects: Any,
+    ) -> None:
         if not objects:
             raise ConfigError(
                 "CheckpointManager needs the objects to save, e.g. "

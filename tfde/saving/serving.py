@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Dict
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -87,7 +87,9 @@ def _writers(table, var):
     return upsert, remove
 
 
-def export_for_serving(model, path: str, input_signature=None, rows: str = "embedded") -> Dict:
+def export_for_serving(
+    model: Any, path: str, input_signature: Optional[Union[tf.TensorSpec, Sequence[Any]]] = None, rows: str = "embedded"
+) -> Dict:
     """Writes a SavedModel at `path` whose ``serving_default`` signature runs
     ``model(inputs, training=False)`` with lookups only.
 
@@ -183,7 +185,7 @@ def _variables_of(model_or_variables) -> list:
     return model_variables(model_or_variables)
 
 
-def export_changes(model_or_variables, since: int, path: str) -> Dict:
+def export_changes(model_or_variables: Any, since: int, path: str) -> Dict:
     """Writes the rows written after step `since` and the keys removed since
     then, for every Variable of a model (created with track_changes=True),
     as a TF bundle at prefix `path` plus `path`.json (a summary).
@@ -234,7 +236,7 @@ def export_changes(model_or_variables, since: int, path: str) -> Dict:
     return info
 
 
-def read_changes(path: str):
+def read_changes(path: str) -> Iterator[Tuple[int, str, Iterator, Iterator]]:
     """Yields (variable index, name, upserts, removals) from export_changes'
     files: upserts iterates (keys, rows), removals iterates keys."""
     if not os.path.exists(f"{path}.json"):
@@ -256,7 +258,7 @@ def read_changes(path: str):
         )
 
 
-def apply_changes(serving, path: str) -> Dict[str, int]:
+def apply_changes(serving: Any, path: str) -> Dict[str, int]:
     """Applies an incremental export to a loaded serving SavedModel
     (tf.saved_model.load of export_for_serving's output); returns rows
     written and keys removed per Variable name."""

@@ -118,16 +118,16 @@ class Table:
 
     # ---- the store
 
-    def find(self, keys, missing: Missing) -> Tuple[tf.Tensor, tf.Tensor]:
+    def find(self, keys: tf.Tensor, missing: Missing) -> Tuple[tf.Tensor, tf.Tensor]:
         """Rows of `keys` ([n, dim]) and whether each key is stored ([n] bool).
         A missing key reads its row from `missing`; nothing is inserted."""
         raise NotImplementedError
 
-    def insert(self, keys, values) -> tf.Operation:
+    def insert(self, keys: tf.Tensor, values: tf.Tensor) -> tf.Operation:
         """Upserts `values` ([n, dim]) under `keys`; the last duplicate wins."""
         raise NotImplementedError
 
-    def insert_with(self, keys, values, others) -> list:
+    def insert_with(self, keys: tf.Tensor, values: tf.Tensor, others: list) -> list:
         """Upserts `values` ([n, dim]) under `keys` here and, for each
         ``(table, table_values)`` pair of `others`, `table_values`
         ([n, table.dim] of table.value_dtype) under the same keys in `table`;
@@ -148,12 +148,12 @@ class Table:
             ops.append(table.insert(keys, table_values))
         return [op for op in ops if op is not None]
 
-    def accum(self, keys, deltas, missing: Missing) -> tf.Operation:
+    def accum(self, keys: tf.Tensor, deltas: tf.Tensor, missing: Missing) -> tf.Operation:
         """Adds `deltas` to the rows of `keys`; a missing key is inserted as
         its `missing` row plus its delta.  Duplicates all add."""
         raise NotImplementedError
 
-    def remove(self, keys) -> tf.Tensor:
+    def remove(self, keys: tf.Tensor) -> tf.Tensor:
         """Removes `keys`; returns how many were present (int64 scalar)."""
         raise NotImplementedError
 
@@ -165,7 +165,7 @@ class Table:
         """Number of stored keys (int64 scalar)."""
         raise NotImplementedError
 
-    def export_chunk(self, cursor, max_rows) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    def export_chunk(self, cursor: tf.Tensor, max_rows: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """At most `max_rows` stored (keys, rows) from `cursor` (start at 0) and
         the cursor to continue from, or -1 when done."""
         raise NotImplementedError
@@ -181,7 +181,7 @@ class Table:
                 yield keys, values
             cursor = int(nxt)
 
-    def import_(self, keys, values, replace: bool = False):
+    def import_(self, keys: tf.Tensor, values: tf.Tensor, replace: bool = False) -> tf.Operation:
         """Inserts (keys, values); with replace=True clears the table first.
         Equivalent to clear() (if replace) followed by insert(), except that
         bad input (key dtype, row dtype or dim, as many rows as keys) is

@@ -124,7 +124,7 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
     internal shard); batch operations use TensorFlow's intra-op thread pool.
     """
 
-    def __init__(self, name: str, key_dtype, value_dtype, dim: int, expected_rows: int = 0):
+    def __init__(self, name: str, key_dtype: tf.DType, value_dtype: tf.DType, dim: int, expected_rows: int = 0) -> None:
         self.key_dtype, self.value_dtype, self.dim = check_dtypes(key_dtype, value_dtype, dim)
         self.name = name
         self._expected_rows = int(expected_rows)
@@ -248,8 +248,8 @@ class CuckooTableCreator(TableCreator):
             raise ConfigError(f"expected_rows must be an int >= 0, got {self.expected_rows!r}")
         object.__setattr__(self, "expected_rows", rows)  # np.int64 -> int (frozen dataclass)
 
-    def create(self, name, key_dtype, value_dtype, dim):
+    def create(self, name: str, key_dtype: tf.DType, value_dtype: tf.DType, dim: int) -> CuckooTable:
         return CuckooTable(name, key_dtype, value_dtype, dim, expected_rows=self.expected_rows)
 
-    def get_config(self):
+    def get_config(self) -> dict:
         return {"expected_rows": self.expected_rows}

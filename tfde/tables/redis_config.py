@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import warnings
-from typing import Tuple
+from typing import Tuple, Union
 
 from tfde.errors import ConfigError
 
@@ -212,7 +212,7 @@ class RedisTableConfig:
         return cls.from_path(path)
 
     @classmethod
-    def load(cls, spec=None) -> "RedisTableConfig":
+    def load(cls, spec: Union["RedisTableConfig", dict, str, None] = None) -> "RedisTableConfig":
         """From a RedisTableConfig, a dict, a path, or (None) $TFDE_REDIS_CONFIG."""
         if isinstance(spec, cls):
             return spec

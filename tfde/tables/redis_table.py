@@ -43,6 +43,7 @@ import threading
 import time
 import uuid
 import warnings
+from typing import Union
 
 import msgpack
 import numpy as np
@@ -1074,7 +1075,7 @@ class RedisTableCreator(TableCreator):
     connection pool."""
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict) -> "RedisTableCreator":
         """Configs are saved without passwords (get_config); a loading
         process gives them in $TFDE_REDIS_PASSWORD and
         $TFDE_REDIS_SENTINEL_PASSWORD."""
@@ -1084,7 +1085,7 @@ class RedisTableCreator(TableCreator):
                 config[field] = os.environ[env]
         return cls(config)
 
-    def __init__(self, config=None):
+    def __init__(self, config: Union[RedisTableConfig, dict, str, None] = None) -> None:
         self.config = RedisTableConfig.load(config)
         self._clients = None
         self._credentials = None
@@ -1110,7 +1111,7 @@ class RedisTableCreator(TableCreator):
         register(ident, len(ident), password, len(password), sentinel_password, len(sentinel_password))
         return ident.decode()
 
-    def create(self, name, key_dtype, value_dtype, dim):
+    def create(self, name: str, key_dtype: tf.DType, value_dtype: tf.DType, dim: int) -> RedisTable:
         if self._clients is None:
             self._clients = _connect(self.config)
             self._credentials = self._register_credentials()
@@ -1131,7 +1132,7 @@ class RedisTableCreator(TableCreator):
     def __exit__(self, *exc):
         self.close()
 
-    def get_config(self):
+    def get_config(self) -> dict:
         """The config without its passwords (they are never written out)."""
         cfg = dataclasses.asdict(self.config)
         for name in ("redis_password", "redis_sentinel_password"):
