@@ -18,10 +18,13 @@
 //              with zero bytes):  h = mix64(h ^ w)
 //              hash = h
 //   shard of a key among n shards:  ((hash >> 32) * n) >> 32
+//   Redis bucket among n buckets:   ((hash & 0xFFFFFFFF) * n) >> 32
+//   (tfde/hashing.py route_low_py says the same in Python)
 // An int32 key and the int64 key with the same value hash identically.
 #ifndef TFDE_BACKENDS_CUCKOO_HASH_H_
 #define TFDE_BACKENDS_CUCKOO_HASH_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -63,6 +66,12 @@ inline uint64_t StableHash(const std::string& s) { return StableHash(std::string
 // 32 bits, so consecutive ids spread evenly and no modulo bias appears.
 inline int32_t ShardOf(uint64_t hash, int32_t num_shards) {
   return static_cast<int32_t>(((hash >> 32) * static_cast<uint64_t>(num_shards)) >> 32);
+}
+
+// Redis bucket of a key among `num_buckets` (>= 1): the same multiply-shift
+// on the low 32 bits, so a key's bucket does not depend on its shard.
+inline size_t RedisBucketOf(uint64_t hash, size_t num_buckets) {
+  return static_cast<size_t>(((hash & 0xFFFFFFFFULL) * static_cast<uint64_t>(num_buckets)) >> 32);
 }
 
 }  // namespace tfde

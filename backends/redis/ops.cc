@@ -178,7 +178,7 @@ class RedisOpBase : public OpKernel {
     for (int64_t i = 0; i < n; ++i) {
       (*hashes)[i] = HashOf<TK>(flat(i));
       (*fields)[i] = FieldOf<TK>(flat(i));
-      (*by_bucket)[((*hashes)[i] & 0xFFFFFFFFULL) * nb >> 32].push_back(i);
+      (*by_bucket)[RedisBucketOf((*hashes)[i], nb)].push_back(i);
     }
   }
 
