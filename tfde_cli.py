@@ -1,4 +1,4 @@
-"""The `tfde` command (docs/cli.md).
+"""The `tfde` command (docs/install.md).
 
   tfde train [--data ratings.csv] [--epochs N] ...   train the demo two-tower model
   tfde train --workers 2 [--engine mwms|horovod]     ... with 2 synchronous worker processes

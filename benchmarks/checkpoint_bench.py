@@ -30,8 +30,9 @@ def tfde_checkpoint(phase: str, n: int, dim: int, directory: str) -> dict:
     def make(name):
         return tfde.Variable(name, dim=dim, initializer=0.0)
 
-    return common.checkpoint_probe(tf, make, lambda v, k, r: v.upsert(k, r), lambda v: v.size(), phase, n, dim,
-                                   directory)
+    return common.checkpoint_probe(
+        tf, make, lambda v, k, r: v.upsert(k, r), lambda v: v.size(), phase, n, dim, directory
+    )
 
 
 def measure(n: int, dim: int, with_tfra: bool = True) -> dict:
@@ -45,12 +46,18 @@ def measure(n: int, dim: int, with_tfra: bool = True) -> dict:
 
 def report(r: dict) -> list:
     t = r["tfde"]
-    lines = [f"checkpoint of {t['rows']:,} rows, dim {t['dim']} (tf.train.Checkpoint write + read)",
-             f"{'':24}{'tfde':>12}{'TFRA':>12}{'tfde/TFRA':>11}"]
-    rows = [("save s", "save_s", 1, "{:.1f}"), ("restore s", "restore_s", 1, "{:.1f}"),
-            ("save extra MiB", "save_extra_bytes", MIB, "{:,.0f}"),
-            ("restore extra MiB", "restore_extra_bytes", MIB, "{:,.0f}"),
-            ("table MiB (RSS)", "table_bytes", MIB, "{:,.0f}"), ("files MiB", "file_bytes", MIB, "{:,.0f}")]
+    lines = [
+        f"checkpoint of {t['rows']:,} rows, dim {t['dim']} (tf.train.Checkpoint write + read)",
+        f"{'':24}{'tfde':>12}{'TFRA':>12}{'tfde/TFRA':>11}",
+    ]
+    rows = [
+        ("save s", "save_s", 1, "{:.1f}"),
+        ("restore s", "restore_s", 1, "{:.1f}"),
+        ("save extra MiB", "save_extra_bytes", MIB, "{:,.0f}"),
+        ("restore extra MiB", "restore_extra_bytes", MIB, "{:,.0f}"),
+        ("table MiB (RSS)", "table_bytes", MIB, "{:,.0f}"),
+        ("files MiB", "file_bytes", MIB, "{:,.0f}"),
+    ]
     for label, key, scale, form in rows:
         a = t[key] / scale
         b = r["tfra"][key] / scale if "tfra" in r else None
@@ -66,8 +73,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-tfra", action="store_true")
     args = p.parse_args(argv)
     info = table_bench.machine()
-    print(f"machine: {info['cpu']}, {info['cores']} cores; python {info['python']}, TF {info['tf']}, "
-          f"tfde git {info['git']}")
+    print(
+        f"machine: {info['cpu']}, {info['cores']} cores; python {info['python']}, TF {info['tf']}, "
+        f"tfde git {info['git']}"
+    )
     r = measure(args.n, args.dim, not args.no_tfra)
     print("\n".join(report(r)))
     path = table_bench.write_results("checkpoint", {"machine": info, **r})

@@ -24,9 +24,9 @@ import numpy as np
 # The reference system's interpreter: the venv benchmarks/setup-tfra.sh builds.
 TFRA_PYTHON = os.environ.get("TFRA_PYTHON", str(Path.home() / ".cache/tfde-anchors/tfra/bin/python"))
 
-REPEATS = 5           # timed repeats per op, after one warm-up; the figure is their median
-BATCHES = 200         # training-sized batches per repeat of a batch op
-ZIPF_A = 1.2          # skew of the Zipf batches (a common choice for id popularity)
+REPEATS = 5  # timed repeats per op, after one warm-up; the figure is their median
+BATCHES = 200  # training-sized batches per repeat of a batch op
+ZIPF_A = 1.2  # skew of the Zipf batches (a common choice for id popularity)
 EXPORT_CHUNK = 1 << 18  # rows per export chunk where a system exports in chunks
 
 
@@ -74,12 +74,12 @@ class TableAdapter:
     returns only when the op has finished (results materialized)."""
 
     def upsert(self, keys, vals): ...
-    def find(self, keys): ...            # must materialize the rows (e.g. .numpy())
-    def accum(self, keys, deltas): ...   # add deltas to existing rows
+    def find(self, keys): ...  # must materialize the rows (e.g. .numpy())
+    def accum(self, keys, deltas): ...  # add deltas to existing rows
     def remove(self, keys): ...
-    def export_rows(self) -> int: ...    # exports every row; returns the row count
-    def batch_find_fn(self): ...         # a tf.function keys -> rows, traced once
-    def batch_upsert_fn(self): ...       # a tf.function (keys, rows) -> None
+    def export_rows(self) -> int: ...  # exports every row; returns the row count
+    def batch_find_fn(self): ...  # a tf.function keys -> rows, traced once
+    def batch_upsert_fn(self): ...  # a tf.function (keys, rows) -> None
 
 
 def table_ops(tf, adapter: TableAdapter, inp: dict) -> dict:
@@ -134,14 +134,15 @@ def memory_probe(tf, upsert, n: int, dim: int, chunk: int = 1 << 16) -> float:
 
 # ---------------------------------------------------------------- end to end
 
+
 def recall_at_k(user_vecs: np.ndarray, item_vecs: np.ndarray, target_pos: np.ndarray, k: int = 100) -> float:
     """Fraction of rows whose target item index is among the k items with the
     highest dot product.  user_vecs [u, d], item_vecs [m, d], target_pos [u]."""
     hits = 0
     for s in range(0, len(user_vecs), 2048):
-        scores = user_vecs[s:s + 2048] @ item_vecs.T
+        scores = user_vecs[s : s + 2048] @ item_vecs.T
         top = np.argpartition(-scores, min(k, scores.shape[1] - 1), axis=1)[:, :k]
-        hits += int(np.sum(np.any(top == target_pos[s:s + 2048, None], axis=1)))
+        hits += int(np.sum(np.any(top == target_pos[s : s + 2048, None], axis=1)))
     return hits / len(user_vecs)
 
 
@@ -168,16 +169,22 @@ def fit_and_evaluate(tf, model, cfg: dict, data, users, items, eval_users, eval_
     times = []
     stamp = tf.keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: times.append(time.perf_counter()))
     history = model.fit(ds, epochs=cfg["epochs"], verbose=0, callbacks=[stamp])
-    item_vecs = np.concatenate([model.item_vectors(tf.constant(eval_items[s:s + 8192])).numpy()
-                                for s in range(0, len(eval_items), 8192)])
-    user_vecs = np.concatenate([model.user_vectors(tf.constant(eval_users[s:s + 4096])).numpy()
-                                for s in range(0, len(eval_users), 4096)])
-    return {"examples_per_s": steady_rate(times, cfg["batch_size"]),
-            "recall": recall_at_k(user_vecs, item_vecs, data["test_target_pos"], cfg["k"]),
-            "loss": float(history.history["loss"][-1]), "steps": len(times)}
+    item_vecs = np.concatenate(
+        [model.item_vectors(tf.constant(eval_items[s : s + 8192])).numpy() for s in range(0, len(eval_items), 8192)]
+    )
+    user_vecs = np.concatenate(
+        [model.user_vectors(tf.constant(eval_users[s : s + 4096])).numpy() for s in range(0, len(eval_users), 4096)]
+    )
+    return {
+        "examples_per_s": steady_rate(times, cfg["batch_size"]),
+        "recall": recall_at_k(user_vecs, item_vecs, data["test_target_pos"], cfg["k"]),
+        "loss": float(history.history["loss"][-1]),
+        "steps": len(times),
+    }
 
 
 # ---------------------------------------------------------------- checkpoints
+
 
 def reset_peak_rss() -> None:
     """Resets the kernel's high-water mark of this process's RSS (VmHWM)."""
@@ -193,8 +200,9 @@ def peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def checkpoint_probe(tf, make, upsert, size, phase: str, n: int, dim: int, directory: str,
-                     chunk: int = 1 << 18) -> dict:
+def checkpoint_probe(
+    tf, make, upsert, size, phase: str, n: int, dim: int, directory: str, chunk: int = 1 << 18
+) -> dict:
     """One phase of the checkpoint benchmark, in a fresh process each:
     "save" fills a table (make(name) -> table) with n rows of dim `dim` and
     writes it with tf.train.Checkpoint; "restore" reads it into a new table.
@@ -207,16 +215,20 @@ def checkpoint_probe(tf, make, upsert, size, phase: str, n: int, dim: int, direc
         rng = np.random.default_rng(0)
         for start in range(0, n, chunk):
             m = min(chunk, n - start)
-            upsert(var, tf.range(start, start + m, dtype=tf.int64),
-                   tf.constant(rng.random((m, dim), dtype=np.float32)))
+            upsert(var, tf.range(start, start + m, dtype=tf.int64), tf.constant(rng.random((m, dim), dtype=np.float32)))
         before = rss_bytes()
         reset_peak_rss()
         t0 = time.perf_counter()
         ckpt.write(prefix)
         seconds = time.perf_counter() - t0
         files = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
-        return {"rows": n, "dim": dim, "save_s": seconds, "save_extra_bytes": peak_rss_bytes() - before,
-                "file_bytes": files}
+        return {
+            "rows": n,
+            "dim": dim,
+            "save_s": seconds,
+            "save_extra_bytes": peak_rss_bytes() - before,
+            "file_bytes": files,
+        }
     before = rss_bytes()
     reset_peak_rss()
     t0 = time.perf_counter()
@@ -224,5 +236,8 @@ def checkpoint_probe(tf, make, upsert, size, phase: str, n: int, dim: int, direc
     restored = int(size(var))
     seconds = time.perf_counter() - t0
     assert restored == n, (restored, n)
-    return {"restore_s": seconds, "restore_extra_bytes": peak_rss_bytes() - rss_bytes(),
-            "table_bytes": rss_bytes() - before}
+    return {
+        "restore_s": seconds,
+        "restore_extra_bytes": peak_rss_bytes() - rss_bytes(),
+        "table_bytes": rss_bytes() - before,
+    }

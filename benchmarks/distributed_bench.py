@@ -45,18 +45,49 @@ def parse(out: str) -> dict:
     m = re.search(r"held-out recall@100: ([\d.]+)", out)
     if m:
         r["recall"] = float(m.group(1))
-    m = re.search(r"exchange \(worker 0\): ([\d,.]+) KiB/step handed to collectives, ([\d.]+) ms/step in them of "
-                  r"([\d.]+) ms/step, (\d+) calls/step", out)
+    m = re.search(
+        r"exchange \(worker 0\): ([\d,.]+) KiB/step handed to collectives, ([\d.]+) ms/step in them of "
+        r"([\d.]+) ms/step, (\d+) calls/step",
+        out,
+    )
     if m:
-        r.update(kib_per_step=float(m.group(1).replace(",", "")), exchange_ms=float(m.group(2)),
-                 step_ms=float(m.group(3)), calls=int(m.group(4)))
+        r.update(
+            kib_per_step=float(m.group(1).replace(",", "")),
+            exchange_ms=float(m.group(2)),
+            step_ms=float(m.group(3)),
+            calls=int(m.group(4)),
+        )
     return r
 
 
-def run(python: str, workers: int, engine: str, backend: str, interactions: int, port: int, tmp: str,
-        users: int = 20_000, items: int = 5_000) -> dict:
-    cmd = [python, "-m", "tfde", "train", "--keras", "tf-keras", "--epochs", "1", "--interactions",
-           str(interactions), "--users", str(users), "--items", str(items), "--exchange-stats"]
+def run(
+    python: str,
+    workers: int,
+    engine: str,
+    backend: str,
+    interactions: int,
+    port: int,
+    tmp: str,
+    users: int = 20_000,
+    items: int = 5_000,
+) -> dict:
+    cmd = [
+        python,
+        "-m",
+        "tfde",
+        "train",
+        "--keras",
+        "tf-keras",
+        "--epochs",
+        "1",
+        "--interactions",
+        str(interactions),
+        "--users",
+        str(users),
+        "--items",
+        str(items),
+        "--exchange-stats",
+    ]
     if workers > 1:
         cmd += ["--workers", str(workers), "--engine", engine]
     if backend == "redis":
@@ -83,8 +114,11 @@ def main(argv=None) -> int:
     p.add_argument("--interactions", type=int, default=200_000)
     p.add_argument("--port", type=int, default=6379)
     p.add_argument("--horovod-python", default=default_horovod_python())
-    p.add_argument("--quick", action="store_true",
-                   help="40K interactions of 2K users and 1K items: every run once, in about a minute")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="40K interactions of 2K users and 1K items: every run once, in about a minute",
+    )
     args = p.parse_args(argv)
     users, items = (2_000, 1_000) if args.quick else (20_000, 5_000)
     if args.quick:
@@ -92,32 +126,44 @@ def main(argv=None) -> int:
     from benchmarks.table_bench import machine, write_results
 
     info = machine()
-    runs = [("1 worker", sys.executable, 1, "mwms", "cuckoo"), ("1 worker", sys.executable, 1, "mwms", "redis"),
-            ("2 workers MWMS", sys.executable, 2, "mwms", "cuckoo"),
-            ("2 workers MWMS", sys.executable, 2, "mwms", "redis")]
+    runs = [
+        ("1 worker", sys.executable, 1, "mwms", "cuckoo"),
+        ("1 worker", sys.executable, 1, "mwms", "redis"),
+        ("2 workers MWMS", sys.executable, 2, "mwms", "cuckoo"),
+        ("2 workers MWMS", sys.executable, 2, "mwms", "redis"),
+    ]
     if args.horovod_python:
-        runs += [("2 workers Horovod", args.horovod_python, 2, "horovod", "cuckoo"),
-                 ("2 workers Horovod", args.horovod_python, 2, "horovod", "redis")]
+        runs += [
+            ("2 workers Horovod", args.horovod_python, 2, "horovod", "cuckoo"),
+            ("2 workers Horovod", args.horovod_python, 2, "horovod", "redis"),
+        ]
     else:
-        print("no Horovod environment found (run scripts/test.sh once, or pass --horovod-python): Horovod skipped",
-              file=sys.stderr)
+        print(
+            "no Horovod environment found (run scripts/test.sh once, or pass --horovod-python): Horovod skipped",
+            file=sys.stderr,
+        )
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, python, workers, engine, backend in runs:
             r = run(python, workers, engine, backend, args.interactions, args.port, tmp, users, items)
-            results.append({"run": label, "layout": "sharded cuckoo" if backend == "cuckoo" else "shared Redis",
-                            **r})
+            results.append({"run": label, "layout": "sharded cuckoo" if backend == "cuckoo" else "shared Redis", **r})
             print(f"  {label}, {results[-1]['layout']}: {r}", flush=True)
-    print(f"\nmachine: {info['cpu']}, {info['cores']} cores; tfde git {info['git']}; demo, {args.interactions:,} "
-          f"interactions, 1 epoch, 1024 examples per worker and step, tf-keras")
-    print(f"{'run':<20}{'layout':<16}{'examples/s':>11}{'KiB/step':>10}{'exchange ms/step':>18}{'step ms':>9}"
-          f"{'recall@100':>11}")
+    print(
+        f"\nmachine: {info['cpu']}, {info['cores']} cores; tfde git {info['git']}; demo, {args.interactions:,} "
+        f"interactions, 1 epoch, 1024 examples per worker and step, tf-keras"
+    )
+    print(
+        f"{'run':<20}{'layout':<16}{'examples/s':>11}{'KiB/step':>10}{'exchange ms/step':>18}{'step ms':>9}"
+        f"{'recall@100':>11}"
+    )
     for r in results:
         kib = f"{r['kib_per_step']:,.0f}" if "kib_per_step" in r and r["run"] != "1 worker" else "-"
         ms = f"{r['exchange_ms']:.1f}" if "exchange_ms" in r and r["run"] != "1 worker" else "-"
         step = f"{r['step_ms']:.1f}" if "step_ms" in r else "-"
-        print(f"{r['run']:<20}{r['layout']:<16}{r.get('examples_per_s', 0):>11,.0f}{kib:>10}{ms:>18}{step:>9}"
-              f"{r.get('recall', 0):>11.4f}")
+        print(
+            f"{r['run']:<20}{r['layout']:<16}{r.get('examples_per_s', 0):>11,.0f}{kib:>10}{ms:>18}{step:>9}"
+            f"{r.get('recall', 0):>11.4f}"
+        )
     path = write_results("distributed", {"machine": info, "interactions": args.interactions, "runs": results})
     print(f"\nwritten: {path.relative_to(HERE.parent)}")
     return 0

@@ -45,17 +45,27 @@ def write_data(path: Path, interactions: int, seed: int = 0) -> dict:
     pos = {int(x): i for i, x in enumerate(d.all_items)}
     test_items = d.test_items[:MAX_EVAL]
     # Dense indices of the same ids, for the floor run (a fixed-vocabulary model).
-    user_names, user_idx = np.unique(np.concatenate([d.train_users, d.test_users]).astype(str),
-                                     return_inverse=True)
-    np.savez(path, train_users=d.train_users.astype(str), train_items=d.train_items,
-             item_logq=item_log_frequency(d.train_items), test_users=d.test_users[:MAX_EVAL].astype(str),
-             test_target_pos=np.array([pos[int(x)] for x in test_items]), all_items=d.all_items,
-             train_user_idx=user_idx[:d.num_train], test_user_idx=user_idx[d.num_train:][:MAX_EVAL],
-             train_item_idx=np.array([pos[int(x)] for x in d.train_items]), num_users=len(user_names))
+    user_names, user_idx = np.unique(np.concatenate([d.train_users, d.test_users]).astype(str), return_inverse=True)
+    np.savez(
+        path,
+        train_users=d.train_users.astype(str),
+        train_items=d.train_items,
+        item_logq=item_log_frequency(d.train_items),
+        test_users=d.test_users[:MAX_EVAL].astype(str),
+        test_target_pos=np.array([pos[int(x)] for x in test_items]),
+        all_items=d.all_items,
+        train_user_idx=user_idx[: d.num_train],
+        test_user_idx=user_idx[d.num_train :][:MAX_EVAL],
+        train_item_idx=np.array([pos[int(x)] for x in d.train_items]),
+        num_users=len(user_names),
+    )
     ids, counts = np.unique(d.train_items, return_counts=True)
     top = set(ids[np.argsort(-counts)[:100]].tolist())
-    return {"train": d.num_train, "held_out": len(test_items),
-            "most_popular_recall": float(np.mean([int(t) in top for t in test_items]))}
+    return {
+        "train": d.num_train,
+        "held_out": len(test_items),
+        "most_popular_recall": float(np.mean([int(t) in top for t in test_items])),
+    }
 
 
 def tfde_side(data_path: str, config_path: str) -> dict:
@@ -69,8 +79,13 @@ def tfde_side(data_path: str, config_path: str) -> dict:
     data = np.load(data_path, allow_pickle=False)
     tf.keras.utils.set_random_seed(cfg["seed"])
     creator = tfde.RedisTableCreator(cfg["redis_config"]) if cfg.get("redis_config") else None
-    model = TwoTower(embedding_dim=cfg["embedding_dim"], output_dim=cfg["output_dim"],
-                     temperature=cfg["temperature"], table_creator=creator, seed=cfg["seed"])
+    model = TwoTower(
+        embedding_dim=cfg["embedding_dim"],
+        output_dim=cfg["output_dim"],
+        temperature=cfg["temperature"],
+        table_creator=creator,
+        seed=cfg["seed"],
+    )
     users, items = data["train_users"], data["train_items"]
     eval_users, eval_items = data["test_users"], data["all_items"]
     tfde_layers = (model.user_embedding, model.item_embedding)  # the floor run swaps them out
@@ -79,19 +94,27 @@ def tfde_side(data_path: str, config_path: str) -> dict:
         # dense indices into frozen Keras Embedding tables, so embedding
         # storage, lookup and update cost nothing beyond a gather.
         init = tf.keras.initializers.RandomNormal(stddev=0.1, seed=cfg["seed"])
-        model.user_embedding = tf.keras.layers.Embedding(int(data["num_users"]), cfg["embedding_dim"],
-                                                         embeddings_initializer=init, trainable=False)
-        model.item_embedding = tf.keras.layers.Embedding(len(data["all_items"]), cfg["embedding_dim"],
-                                                         embeddings_initializer=init, trainable=False)
+        model.user_embedding = tf.keras.layers.Embedding(
+            int(data["num_users"]), cfg["embedding_dim"], embeddings_initializer=init, trainable=False
+        )
+        model.item_embedding = tf.keras.layers.Embedding(
+            len(data["all_items"]), cfg["embedding_dim"], embeddings_initializer=init, trainable=False
+        )
         users, items = data["train_user_idx"], data["train_item_idx"]
         eval_users, eval_items = data["test_user_idx"], np.arange(len(data["all_items"]))
-    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(cfg["learning_rate"])),
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(cfg["learning_rate"])),
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
-    out = {"system": "tfde", "tf": tf.__version__,
-           "keras": ("tf-keras " + __import__("tf_keras").__version__) if legacy else
-           ("Keras " + __import__("keras").__version__),
-           **common.fit_and_evaluate(tf, model, cfg, data, users, items, eval_users, eval_items)}
+    out = {
+        "system": "tfde",
+        "tf": tf.__version__,
+        "keras": ("tf-keras " + __import__("tf_keras").__version__)
+        if legacy
+        else ("Keras " + __import__("keras").__version__),
+        **common.fit_and_evaluate(tf, model, cfg, data, users, items, eval_users, eval_items),
+    }
     if creator is not None:  # the Redis tables of this run go (the floor run's are empty)
         for layer in tfde_layers:
             layer.params.clear()
@@ -108,14 +131,30 @@ def _json_line(cmd, env, what) -> dict:
 def redis_config(port: int, buckets: int = 2) -> dict:
     tag = f"e2e-bench-{uuid.uuid4().hex[:8]}"
     tags = [f"{{{i}}}" for i in range(buckets)]
-    return {"redis_connection_mode": 2, "redis_host_ip": ["127.0.0.1"], "redis_host_port": [port],
-            "model_tag_runtime": tag, "model_tag_import": tag, "storage_slice": buckets,
-            "storage_slice_import": buckets, "redis_hash_tags_runtime": tags, "redis_hash_tags_import": tags,
-            "keys_sending_size": 1024}
+    return {
+        "redis_connection_mode": 2,
+        "redis_host_ip": ["127.0.0.1"],
+        "redis_host_port": [port],
+        "model_tag_runtime": tag,
+        "model_tag_import": tag,
+        "storage_slice": buckets,
+        "storage_slice_import": buckets,
+        "redis_hash_tags_runtime": tags,
+        "redis_hash_tags_import": tags,
+        "keys_sending_size": 1024,
+    }
 
 
-def measure(backends, interactions: int, epochs: int, with_tfra: bool, port: int = 6379, log=print,
-            redis_interactions: int = None, rounds: int = 1) -> dict:
+def measure(
+    backends,
+    interactions: int,
+    epochs: int,
+    with_tfra: bool,
+    port: int = 6379,
+    log=print,
+    redis_interactions: int = None,
+    rounds: int = 1,
+) -> dict:
     """{backend: {"data": ..., "tfde tf-keras": {...}, "tfde Keras 3": {...}, "TFRA tf-keras": {...}}}.
 
     rounds: every side trains this many times, the sides alternating within
@@ -136,8 +175,18 @@ def measure(backends, interactions: int, epochs: int, with_tfra: bool, port: int
                 sides.append((FLOOR, "tfde", legacy, True))
             runs = {label: [] for label, *_ in sides}
             for _, (label, system, extra_env, floor) in itertools.product(range(rounds), sides):
-                cfg = {"seed": 0, "embedding_dim": 64, "output_dim": 32, "temperature": 0.1, "learning_rate": 0.01,
-                       "batch_size": 1024, "epochs": epochs, "shuffle_buffer": 200_000, "k": 100, "floor": floor}
+                cfg = {
+                    "seed": 0,
+                    "embedding_dim": 64,
+                    "output_dim": 32,
+                    "temperature": 0.1,
+                    "learning_rate": 0.01,
+                    "batch_size": 1024,
+                    "epochs": epochs,
+                    "shuffle_buffer": 200_000,
+                    "k": 100,
+                    "floor": floor,
+                }
                 if backend == "redis":
                     rc = redis_config(port)
                     rc_path = Path(tmp) / f"{rc['model_tag_runtime']}.json"
@@ -152,12 +201,17 @@ def measure(backends, interactions: int, epochs: int, with_tfra: bool, port: int
                 else:
                     cmd = [sys.executable, "-m", "benchmarks.e2e_bench", "--side", str(data), str(cfg_path)]
                 runs[label].append(_json_line(cmd, env, f"{label} ({backend})"))
-                log(f"  e2e {backend} {label}: {runs[label][-1]['examples_per_s']:,.0f} examples/s, "
-                    f"recall@100 {runs[label][-1]['recall']:.4f}")
+                log(
+                    f"  e2e {backend} {label}: {runs[label][-1]['examples_per_s']:,.0f} examples/s, "
+                    f"recall@100 {runs[label][-1]['recall']:.4f}"
+                )
             for label, done in runs.items():
-                res[label] = {**done[-1], "rounds": done,
-                              "examples_per_s": statistics.median(r["examples_per_s"] for r in done),
-                              "recall": statistics.median(r["recall"] for r in done)}
+                res[label] = {
+                    **done[-1],
+                    "rounds": done,
+                    "examples_per_s": statistics.median(r["examples_per_s"] for r in done),
+                    "recall": statistics.median(r["recall"] for r in done),
+                }
             results[backend] = res
     return results
 
@@ -166,8 +220,10 @@ def report(results: dict) -> list:
     lines = [f"{'two-tower training':<30}{'examples/s':>12}{'recall@100':>12}{'x TFRA ex/s':>13}"]
     for backend, res in results.items():
         d = res["data"]
-        lines.append(f"{backend} backend: {d['interactions']:,} interactions ({d['train']:,} train), {d['epochs']} "
-                     f"epoch(s), batch 1024; most-popular recall@100 {d['most_popular_recall']:.4f}")
+        lines.append(
+            f"{backend} backend: {d['interactions']:,} interactions ({d['train']:,} train), {d['epochs']} "
+            f"epoch(s), batch 1024; most-popular recall@100 {d['most_popular_recall']:.4f}"
+        )
         ref = res.get("TFRA tf-keras")
         for label in ("TFRA tf-keras", "tfde tf-keras", "tfde Keras 3", FLOOR):
             if label not in res:
@@ -182,8 +238,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="cuckoo,redis")
     p.add_argument("--interactions", type=int, default=1_000_000)
-    p.add_argument("--redis-interactions", type=int, default=300_000,
-                   help="interactions for the Redis backend (it is slower; same for both systems)")
+    p.add_argument(
+        "--redis-interactions",
+        type=int,
+        default=300_000,
+        help="interactions for the Redis backend (it is slower; same for both systems)",
+    )
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--port", type=int, default=6379, help="redis-server for the redis backend")
     p.add_argument("--rounds", type=int, default=3, help="alternating trainings per side; medians reported")
@@ -197,8 +257,15 @@ def main(argv=None) -> int:
 
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores; TF {info['tf']}, tfde git {info['git']}")
-    results = measure(args.backends.split(","), args.interactions, args.epochs, not args.no_tfra, args.port,
-                      redis_interactions=args.redis_interactions, rounds=args.rounds)
+    results = measure(
+        args.backends.split(","),
+        args.interactions,
+        args.epochs,
+        not args.no_tfra,
+        args.port,
+        redis_interactions=args.redis_interactions,
+        rounds=args.rounds,
+    )
     print("\n".join(report(results)))
     path = write_results("e2e", {"machine": info, "results": results})
     print(f"\nwritten: {path.relative_to(HERE.parent)}")

@@ -1,5 +1,5 @@
 """Markdown tables of a results file written by benchmarks.run or by
-benchmarks.table_bench (for the READMEs).
+benchmarks.table_bench (for docs/benchmarks.md and benchmarks/README.md).
 
   python -m benchmarks.markdown [benchmarks/results/latest.json]
 """
@@ -11,8 +11,19 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-OPS = ("insert_new", "insert_existing", "find_hit", "find_miss", "accum_existing", "remove", "export_all",
-       "find_batch_uniform", "find_batch_zipf", "upsert_batch_uniform", "upsert_batch_zipf")
+OPS = (
+    "insert_new",
+    "insert_existing",
+    "find_hit",
+    "find_miss",
+    "accum_existing",
+    "remove",
+    "export_all",
+    "find_batch_uniform",
+    "find_batch_zipf",
+    "upsert_batch_uniform",
+    "upsert_batch_zipf",
+)
 
 
 def m(x: float) -> str:
@@ -37,15 +48,21 @@ def gather_reference_row(t: dict, dims: list) -> str:
 def tables(r: dict) -> list:
     out = []
     info = r["machine"]
-    out.append(f"Machine: {info['cpu']}, {info['cores']} cores; tfde git {info['git']} ({info['tfde']}); "
-               f"reference: {info['reference']}.")
+    out.append(
+        f"Machine: {info['cpu']}, {info['cores']} cores; tfde git {info['git']} ({info['tfde']}); "
+        f"reference: {info['reference']}."
+    )
     if "table" in r:
         t = r["table"]
         dims = list(t["dims"])
-        out += ["", f"Table ops, {t['n']:,} int64 keys, float32 rows; keys/s, tfde / TFRA (ratio), median of "
-                    f"{t['rounds']} alternating fresh-process rounds of the median of 5 repeats:", "",
-                "| operation | " + " | ".join(f"dim {d}" for d in dims) + " |",
-                "|---|" + "---:|" * len(dims)]
+        out += [
+            "",
+            f"Table ops, {t['n']:,} int64 keys, float32 rows; keys/s, tfde / TFRA (ratio), median of "
+            f"{t['rounds']} alternating fresh-process rounds of the median of 5 repeats:",
+            "",
+            "| operation | " + " | ".join(f"dim {d}" for d in dims) + " |",
+            "|---|" + "---:|" * len(dims),
+        ]
         for op in OPS:
             cells = []
             for d in dims:
@@ -54,22 +71,38 @@ def tables(r: dict) -> list:
             label = op.replace("_batch_", f"_batch{t['batch']}_")
             out.append(f"| {label} | " + " | ".join(cells) + " |")
         out.append(gather_reference_row(t, dims))
-        out.append("| memory B/row, tfde / TFRA (raw) | " + " | ".join(
-            f"{t['dims'][d]['tfde']['rss_bytes_per_row']:.0f} / {t['dims'][d]['tfra'].get('rss_bytes_per_row', 0):.0f} "
-            f"({8 + 4 * int(d)})" for d in dims) + " |")
+        out.append(
+            "| memory B/row, tfde / TFRA (raw) | "
+            + " | ".join(
+                f"{t['dims'][d]['tfde']['rss_bytes_per_row']:.0f} / "
+                f"{t['dims'][d]['tfra'].get('rss_bytes_per_row', 0):.0f} ({8 + 4 * int(d)})"
+                for d in dims
+            )
+            + " |"
+        )
     if "redis" in r:
         x = r["redis"]
-        out += ["", f"Redis backend, {x['n']:,} keys, dim {x['dim']}, batches of {x['batch']}; keys/s, median of 7 "
-                    "alternating rounds:", "",
-                "| op | tfde | TFRA (C++ client) | tfde/TFRA | plain redis-py pipeline | tfde/plain |",
-                "|---|---:|---:|---:|---:|---:|"]
+        out += [
+            "",
+            f"Redis backend, {x['n']:,} keys, dim {x['dim']}, batches of {x['batch']}; keys/s, median of 7 "
+            "alternating rounds:",
+            "",
+            "| op | tfde | TFRA (C++ client) | tfde/TFRA | plain redis-py pipeline | tfde/plain |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for op in ("find", "insert"):
             ours, plain, theirs = x[f"tfde_{op}"], x[f"plain_{op}"], x["tfra"].get(op)
-            out.append(f"| {op} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f}× | {plain:,.0f} | "
-                       f"{ours / plain:.0%} |")
+            out.append(
+                f"| {op} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f}× | {plain:,.0f} | {ours / plain:.0%} |"
+            )
     if "e2e" in r:
-        out += ["", "Two-tower training (the demo model; median of rounds):", "",
-                "| backend | system | examples/s | × TFRA | recall@100 |", "|---|---|---:|---:|---:|"]
+        out += [
+            "",
+            "Two-tower training (the demo model; median of rounds):",
+            "",
+            "| backend | system | examples/s | × TFRA | recall@100 |",
+            "|---|---|---:|---:|---:|",
+        ]
         for backend, res in r["e2e"].items():
             ref = res.get("TFRA tf-keras")
             for label, v in res.items():
@@ -78,8 +111,10 @@ def tables(r: dict) -> list:
                 ratio = f"{v['examples_per_s'] / ref['examples_per_s']:.2f}×" if ref else "-"
                 out.append(f"| {backend} | {label} | {v['examples_per_s']:,.0f} | {ratio} | {v['recall']:.4f} |")
             d = res["data"]
-            out.append(f"| {backend} | most-popular baseline ({d['interactions']:,} interactions, {d['epochs']} "
-                       f"epochs) | | | {d['most_popular_recall']:.4f} |")
+            out.append(
+                f"| {backend} | most-popular baseline ({d['interactions']:,} interactions, {d['epochs']} "
+                f"epochs) | | | {d['most_popular_recall']:.4f} |"
+            )
     return out
 
 
@@ -89,8 +124,11 @@ def as_run(r: dict) -> dict:
         return r
     first = next(iter(r["dims"].values()))
     tfra = first.get("tfra_rounds") or [{}]
-    info = {**r["machine"], "tfde": f"TF {r['machine']['tf']}",
-            "reference": f"TFRA 0.8.1 on TF {tfra[0]['tf']}" if "tf" in tfra[0] else "none"}
+    info = {
+        **r["machine"],
+        "tfde": f"TF {r['machine']['tf']}",
+        "reference": f"TFRA 0.8.1 on TF {tfra[0]['tf']}" if "tf" in tfra[0] else "none",
+    }
     return {"machine": info, "table": {k: r[k] for k in ("n", "batch", "rounds", "dims")}}
 
 

@@ -40,8 +40,7 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(0)
     batches = [tf.constant(np.minimum(rng.zipf(1.2, args.batch), args.vocab), tf.int64) for _ in range(args.steps)]
-    variants = {"no policy": None, "frequency": tfde.FrequencyRestrictPolicy,
-                "timestamp": tfde.TimestampRestrictPolicy}
+    variants = {"no policy": None, "frequency": tfde.FrequencyRestrictPolicy, "timestamp": tfde.TimestampRestrictPolicy}
     steps = {}
     for name, policy in variants.items():
         var = tfde.Variable(f"bench-{name}", dim=args.dim, restrict_policy=policy)
@@ -68,8 +67,10 @@ def main(argv=None) -> int:
 
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores; TF {info['tf']}, tfde git {info['git']}")
-    print(f"training step: Zipf batch of {args.batch} ids over {args.vocab:,}, dim {args.dim}, Adam; "
-          f"median of {args.rounds} alternating rounds of {args.steps} steps")
+    print(
+        f"training step: Zipf batch of {args.batch} ids over {args.vocab:,}, dim {args.dim}, Adam; "
+        f"median of {args.rounds} alternating rounds of {args.steps} steps"
+    )
     base = rate["no policy"]
     print(f"\n{'variant':<12}{'steps/s':>10}{'cost per step':>16}")
     for name, r in rate.items():

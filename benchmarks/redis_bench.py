@@ -1,7 +1,7 @@
 """Redis backend benchmark: tfde's RedisTable beside a plain redis-py pipeline.
 
 Both sides do the same work on the same layout (the buckets, fields and
-values tfde uses, see README): training-sized batches of keys are looked up
+values tfde uses, see docs/formats.md): training-sized batches of keys are looked up
 with one pipeline of HMGET per bucket chunk, and written with HSET.  The plain
 side gets its fields, buckets and value bytes precomputed outside the timed
 region (the strictest baseline); tfde's side is timed from tensors in to
@@ -47,8 +47,9 @@ def alternate(fns: dict, keys_per_call: int, repeats: int = 7) -> dict:
     return {name: keys_per_call / statistics.median(ts) for name, ts in times.items()}
 
 
-def measure(n: int = 200_000, dim: int = 64, batch: int = 4096, port: int = 6379, buckets: int = 2,
-            with_tfra: bool = True) -> dict:
+def measure(
+    n: int = 200_000, dim: int = 64, batch: int = 4096, port: int = 6379, buckets: int = 2, with_tfra: bool = True
+) -> dict:
     """keys/s of tfde's RedisTable, a plain redis-py pipeline and TFRA's Redis table."""
     import redis
     import tensorflow as tf
@@ -56,8 +57,9 @@ def measure(n: int = 200_000, dim: int = 64, batch: int = 4096, port: int = 6379
     import tfde
 
     tag = f"tfde-bench-{uuid.uuid4().hex[:8]}"
-    creator = tfde.RedisTableCreator({"redis_host_port": port, "model_tag_runtime": tag,
-                                      "storage_slice": buckets, "keys_sending_size": 1024})
+    creator = tfde.RedisTableCreator(
+        {"redis_host_port": port, "model_tag_runtime": tag, "storage_slice": buckets, "keys_sending_size": 1024}
+    )
     table = creator.create("bench", tf.int64, tf.float32, dim)
     rng = np.random.default_rng(0)
     keys = rng.choice(1 << 62, size=n, replace=False).astype(np.int64)
@@ -83,8 +85,7 @@ def measure(n: int = 200_000, dim: int = 64, batch: int = 4096, port: int = 6379
         fields = table._fields(keys[b])
         plan = list(table._plan(hashes[b]))
         rows = [vals[b][i].tobytes() for i in range(len(fields))]
-        plans.append([(table._buckets[bk], [fields[i] for i in chunk], [rows[i] for i in chunk])
-                      for bk, chunk in plan])
+        plans.append([(table._buckets[bk], [fields[i] for i in chunk], [rows[i] for i in chunk]) for bk, chunk in plan])
 
     def plain_insert():
         for plan in plans:
@@ -111,10 +112,13 @@ def measure(n: int = 200_000, dim: int = 64, batch: int = 4096, port: int = 6379
 
     tfra = {}
     if with_tfra:
-        proc = subprocess.run([TFRA_PYTHON, str(HERE / "tfra_redis_side.py"), str(n), str(dim), str(batch),
-                               str(port), str(buckets), "7"], capture_output=True, text=True,
-                              env={**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"},
-                              timeout=1800)
+        proc = subprocess.run(
+            [TFRA_PYTHON, str(HERE / "tfra_redis_side.py"), str(n), str(dim), str(batch), str(port), str(buckets), "7"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"},
+            timeout=1800,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"TFRA Redis side failed:\n{proc.stderr[-3000:]}")
         tfra = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -122,14 +126,19 @@ def measure(n: int = 200_000, dim: int = 64, batch: int = 4096, port: int = 6379
 
 
 def report(r: dict) -> list:
-    lines = [f"Redis (127.0.0.1:{r['port']}): {r['n']:,} int64 keys, float32 rows of dim {r['dim']}, batches of "
-             f"{r['batch']}, {r['buckets']} buckets; median of 7 alternating rounds",
-             f"{'redis op':<14}{'tfde keys/s':>14}{'TFRA keys/s':>14}{'tfde/TFRA':>11}{'plain pipeline':>16}"
-             f"{'tfde/plain':>12}"]
+    lines = [
+        f"Redis (127.0.0.1:{r['port']}): {r['n']:,} int64 keys, float32 rows of dim {r['dim']}, batches of "
+        f"{r['batch']}, {r['buckets']} buckets; median of 7 alternating rounds",
+        f"{'redis op':<14}{'tfde keys/s':>14}{'TFRA keys/s':>14}{'tfde/TFRA':>11}{'plain pipeline':>16}"
+        f"{'tfde/plain':>12}",
+    ]
     for op in ("find", "insert"):
         ours, plain, theirs = r[f"tfde_{op}"], r[f"plain_{op}"], r["tfra"].get(op)
-        lines.append(f"{op:<14}{ours:>14,.0f}" + (f"{theirs:>14,.0f}{ours / theirs:>10.2f}x" if theirs else
-                                                    f"{'-':>14}{'-':>11}") + f"{plain:>16,.0f}{ours / plain:>11.0%}")
+        lines.append(
+            f"{op:<14}{ours:>14,.0f}"
+            + (f"{theirs:>14,.0f}{ours / theirs:>10.2f}x" if theirs else f"{'-':>14}{'-':>11}")
+            + f"{plain:>16,.0f}{ours / plain:>11.0%}"
+        )
     return lines
 
 
@@ -145,8 +154,7 @@ def main(argv=None) -> int:
     from benchmarks.table_bench import machine, write_results
 
     if not args.no_tfra and not Path(TFRA_PYTHON).exists():
-        print(f"TFRA venv missing ({TFRA_PYTHON}); run benchmarks/setup-tfra.sh or pass --no-tfra",
-              file=sys.stderr)
+        print(f"TFRA venv missing ({TFRA_PYTHON}); run benchmarks/setup-tfra.sh or pass --no-tfra", file=sys.stderr)
         return 2
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores; TF {info['tf']}, tfde git {info['git']}")

@@ -34,10 +34,18 @@ def versions() -> dict:
     """Versions of both environments (TFRA's is asked through its interpreter)."""
     out = {}
     try:
-        proc = subprocess.run([table_bench.TFRA_PYTHON, "-c",
-                               "import tensorflow as tf, tensorflow_recommenders_addons as t, tf_keras as k;"
-                               "print(tf.__version__, t.__version__, k.__version__)"],
-                              capture_output=True, text=True, timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+        proc = subprocess.run(
+            [
+                table_bench.TFRA_PYTHON,
+                "-c",
+                "import tensorflow as tf, tensorflow_recommenders_addons as t, tf_keras as k;"
+                "print(tf.__version__, t.__version__, k.__version__)",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={"TF_CPP_MIN_LOG_LEVEL": "3"},
+        )
         tf_v, tfra_v, keras_v = proc.stdout.split()[-3:]
         out["reference"] = f"TFRA {tfra_v} on TF {tf_v}, tf-keras {keras_v}"
     except (OSError, ValueError, subprocess.TimeoutExpired) as e:
@@ -58,13 +66,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     parts = args.only or PARTS
     if not Path(table_bench.TFRA_PYTHON).exists():
-        print(f"TFRA venv missing ({table_bench.TFRA_PYTHON}): run benchmarks/setup-tfra.sh "
-              f"(or set TFRA_PYTHON)", file=sys.stderr)
+        print(
+            f"TFRA venv missing ({table_bench.TFRA_PYTHON}): run benchmarks/setup-tfra.sh (or set TFRA_PYTHON)",
+            file=sys.stderr,
+        )
         return 2
     n, dims, rounds = (100_000, [64], 1) if args.quick else (1_000_000, [8, 64, 256], args.rounds)
     info = {**table_bench.machine(), **versions()}
-    header = [f"machine: {info['cpu']}, {info['cores']} cores, python {info['python']}; tfde git {info['git']}",
-              f"tfde: {info['tfde']}; reference: {info['reference']}"]
+    header = [
+        f"machine: {info['cpu']}, {info['cores']} cores, python {info['python']}; tfde git {info['git']}",
+        f"tfde: {info['tfde']}; reference: {info['reference']}",
+    ]
     print("\n".join(header), flush=True)
     results, lines = {"machine": info, "quick": args.quick}, []
     t0 = time.perf_counter()
@@ -80,9 +92,16 @@ def main(argv=None) -> int:
         lines += redis_bench.report(r) + [""]
     if "e2e" in parts:
         print("end to end", flush=True)
-        r = e2e_bench.measure(["cuckoo", "redis"], 200_000 if args.quick else 1_000_000, 1 if args.quick else 2,
-                              True, args.port, log=lambda m: print(m, flush=True),
-                              redis_interactions=50_000 if args.quick else 300_000, rounds=1 if args.quick else 3)
+        r = e2e_bench.measure(
+            ["cuckoo", "redis"],
+            200_000 if args.quick else 1_000_000,
+            1 if args.quick else 2,
+            True,
+            args.port,
+            log=lambda m: print(m, flush=True),
+            redis_interactions=50_000 if args.quick else 300_000,
+            rounds=1 if args.quick else 3,
+        )
         results["e2e"] = r
         lines += e2e_bench.report(r)
     print("\n" + "\n".join(header + [""] + lines))

@@ -36,8 +36,19 @@ from benchmarks import common
 
 HERE = Path(__file__).resolve().parent
 TFRA_PYTHON = common.TFRA_PYTHON
-OPS = ("insert_new", "insert_existing", "find_hit", "find_miss", "accum_existing", "remove", "export_all",
-       "find_batch_uniform", "find_batch_zipf", "upsert_batch_uniform", "upsert_batch_zipf")
+OPS = (
+    "insert_new",
+    "insert_existing",
+    "find_hit",
+    "find_miss",
+    "accum_existing",
+    "remove",
+    "export_all",
+    "find_batch_uniform",
+    "find_batch_zipf",
+    "upsert_batch_uniform",
+    "upsert_batch_zipf",
+)
 
 
 def machine() -> dict:
@@ -50,14 +61,20 @@ def machine() -> dict:
     except OSError:
         pass
     try:
-        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True,
-                             text=True).stdout.strip()
+        git = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         git = "unknown"
     import tensorflow as tf
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "tf": tf.__version__,
-            "git": git or "unknown"}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "tf": tf.__version__,
+        "git": git or "unknown",
+    }
 
 
 class TfdeTable(common.TableAdapter):
@@ -67,8 +84,9 @@ class TfdeTable(common.TableAdapter):
         import tfde
 
         self.tf = tf
-        self.var = tfde.Variable("bench", dim=dim, initializer=0.0, trainable=False,
-                                 table_creator=tfde.CuckooTableCreator(expected_rows=n))
+        self.var = tfde.Variable(
+            "bench", dim=dim, initializer=0.0, trainable=False, table_creator=tfde.CuckooTableCreator(expected_rows=n)
+        )
 
     def upsert(self, keys, vals):
         self.var.upsert(keys, vals)
@@ -127,16 +145,27 @@ def _json_line(proc, what) -> dict:
 
 def run_tfra(mode: str, *args) -> dict:
     env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.run([TFRA_PYTHON, str(HERE / "tfra_side.py"), mode, *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=3600)
+    proc = subprocess.run(
+        [TFRA_PYTHON, str(HERE / "tfra_side.py"), mode, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
     return _json_line(proc, f"TFRA side ({mode} {' '.join(map(str, args))})")
 
 
 def run_tfde(mode: str, *args) -> dict:
     """One tfde measurement in a fresh process, like the TFRA side."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.table_bench", "--side", mode, *map(str, args)],
-                          capture_output=True, text=True, cwd=HERE.parent, env=env, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.table_bench", "--side", mode, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=HERE.parent,
+        env=env,
+        timeout=3600,
+    )
     return _json_line(proc, f"tfde side ({mode} {' '.join(map(str, args))})")
 
 
@@ -155,8 +184,11 @@ def measure(dims, n: int, batch: int, rounds: int, with_tfra: bool, log=print) -
             if with_tfra:
                 theirs.append(run_tfra("table", n, dim, batch))
             ours.append(run_tfde("table", n, dim, batch))
-            log(f"  dim {dim} round {r + 1}/{rounds}: find_hit tfde {ours[-1]['find_hit']:,.0f}"
-                + (f", TFRA {theirs[-1]['find_hit']:,.0f}" if theirs else "") + " keys/s")
+            log(
+                f"  dim {dim} round {r + 1}/{rounds}: find_hit tfde {ours[-1]['find_hit']:,.0f}"
+                + (f", TFRA {theirs[-1]['find_hit']:,.0f}" if theirs else "")
+                + " keys/s"
+            )
         mine, ref = medians(ours), medians(theirs)
         mine.update(run_tfde("memory", n, dim))
         if with_tfra:
@@ -167,15 +199,19 @@ def measure(dims, n: int, batch: int, rounds: int, with_tfra: bool, log=print) -
 
 def report(results: dict, n: int, batch: int) -> list:
     """Lines of the side-by-side table."""
-    lines = [f"{'table op (' + format(n, ',') + ' int64 keys)':<34}{'dim':>5}{'tfde keys/s':>14}"
-             f"{'TFRA keys/s':>14}{'tfde/TFRA':>11}"]
+    lines = [
+        f"{'table op (' + format(n, ',') + ' int64 keys)':<34}{'dim':>5}{'tfde keys/s':>14}"
+        f"{'TFRA keys/s':>14}{'tfde/TFRA':>11}"
+    ]
     for dim, r in results.items():
         ours, theirs = r["tfde"], r["tfra"]
         for op in OPS:
             label = op.replace("_batch_", f"_batch{batch}_")
             ref = theirs.get(op)
-            lines.append(f"{label:<34}{dim:>5}{ours[op]:>14,.0f}" + (
-                f"{ref:>14,.0f}{ours[op] / ref:>10.2f}x" if ref else f"{'-':>14}{'-':>11}"))
+            lines.append(
+                f"{label:<34}{dim:>5}{ours[op]:>14,.0f}"
+                + (f"{ref:>14,.0f}{ours[op] / ref:>10.2f}x" if ref else f"{'-':>14}{'-':>11}")
+            )
         gather = f"{'dense tf.gather (no table)':<34}{dim:>5}{ours['dense_gather']:>14,.0f}"
         if "find_hit" in theirs:
             gather += f"{'':>14}{ours['dense_gather'] / theirs['find_hit']:>10.2f}x"
@@ -183,7 +219,8 @@ def report(results: dict, n: int, batch: int) -> list:
         raw = 8 + 4 * dim
         mem = f"{'memory B/row (raw ' + str(raw) + ' B)':<34}{dim:>5}{ours['rss_bytes_per_row']:>14,.0f}"
         if "rss_bytes_per_row" in theirs:
-            mem += f"{theirs['rss_bytes_per_row']:>14,.0f}{theirs['rss_bytes_per_row'] / ours['rss_bytes_per_row']:>10.2f}x"
+            ratio = theirs["rss_bytes_per_row"] / ours["rss_bytes_per_row"]
+            mem += f"{theirs['rss_bytes_per_row']:>14,.0f}{ratio:>10.2f}x"
         lines.append(mem + f"   tfde {ours['rss_bytes_per_row'] / raw:.2f}x raw")
     return lines
 
@@ -208,17 +245,19 @@ def main(argv=None) -> int:
         print(json.dumps(fn(*(int(v) for v in vals))))
         return 0
     if not args.no_tfra and not Path(TFRA_PYTHON).exists():
-        print(f"TFRA venv missing ({TFRA_PYTHON}); run benchmarks/setup-tfra.sh or pass --no-tfra",
-              file=sys.stderr)
+        print(f"TFRA venv missing ({TFRA_PYTHON}); run benchmarks/setup-tfra.sh or pass --no-tfra", file=sys.stderr)
         return 2
     info = machine()
-    print(f"machine: {info['cpu']}, {info['cores']} cores; python {info['python']}, TF {info['tf']}, "
-          f"tfde git {info['git']}")
+    print(
+        f"machine: {info['cpu']}, {info['cores']} cores; python {info['python']}, TF {info['tf']}, "
+        f"tfde git {info['git']}"
+    )
     dims = [int(d) for d in args.dims.split(",")]
     results = measure(dims, args.n, args.batch, args.rounds, not args.no_tfra)
     print("\n".join(report(results, args.n, args.batch)))
-    path = write_results("table", {"machine": info, "n": args.n, "batch": args.batch, "rounds": args.rounds,
-                                   "dims": results})
+    path = write_results(
+        "table", {"machine": info, "n": args.n, "batch": args.batch, "rounds": args.rounds, "dims": results}
+    )
     print(f"\nwritten: {path.relative_to(HERE.parent)}")
     return 0
 

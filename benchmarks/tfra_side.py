@@ -17,17 +17,23 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow_recommenders_addons import dynamic_embedding as de  # noqa: E402
 
-import common  # noqa: E402
-
 
 class TfraTable(common.TableAdapter):
     def __init__(self, n, dim, batch):
-        self.var = de.get_variable("bench", key_dtype=tf.int64, value_dtype=tf.float32, dim=dim, initializer=0.0,
-                                   devices=["/CPU:0"], init_size=n)
+        self.var = de.get_variable(
+            "bench",
+            key_dtype=tf.int64,
+            value_dtype=tf.float32,
+            dim=dim,
+            initializer=0.0,
+            devices=["/CPU:0"],
+            init_size=n,
+        )
         self.table = self.var.tables[0]
         self.exists = tf.ones([n], tf.bool)
         self.batch = batch
@@ -66,21 +72,25 @@ def table(n, dim, batch):
 
 
 def memory(n, dim):
-    var = de.get_variable("mem", key_dtype=tf.int64, value_dtype=tf.float32, dim=dim, initializer=0.0,
-                          devices=["/CPU:0"])
+    var = de.get_variable(
+        "mem", key_dtype=tf.int64, value_dtype=tf.float32, dim=dim, initializer=0.0, devices=["/CPU:0"]
+    )
     return {"rss_bytes_per_row": common.memory_probe(tf, var.upsert, n, dim)}
 
 
 def checkpoint(phase, n, dim, directory):
     def make(name):
-        return de.get_variable(name, key_dtype=tf.int64, value_dtype=tf.float32, dim=dim, initializer=0.0,
-                               devices=["/CPU:0"])
+        return de.get_variable(
+            name, key_dtype=tf.int64, value_dtype=tf.float32, dim=dim, initializer=0.0, devices=["/CPU:0"]
+        )
 
-    return common.checkpoint_probe(tf, make, lambda v, k, r: v.upsert(k, r), lambda v: v.size(), phase, n, dim,
-                                   directory)
+    return common.checkpoint_probe(
+        tf, make, lambda v, k, r: v.upsert(k, r), lambda v: v.size(), phase, n, dim, directory
+    )
 
 
 # ---------------------------------------------------------------- end to end
+
 
 class TwoTower(tf.keras.Model):
     """benchmarks/e2e_bench.py's model, layer for layer, on TFRA's embedding layer."""
@@ -89,10 +99,12 @@ class TwoTower(tf.keras.Model):
         super().__init__()
         init = tf.keras.initializers.RandomNormal(stddev=0.1, seed=cfg["seed"])
         kw = {"kv_creator": creator} if creator is not None else {}
-        self.user_embedding = de.keras.layers.Embedding(cfg["embedding_dim"], key_dtype=tf.string, initializer=init,
-                                                        name="user-embedding", devices=["/CPU:0"], **kw)
-        self.item_embedding = de.keras.layers.Embedding(cfg["embedding_dim"], key_dtype=tf.int64, initializer=init,
-                                                        name="item-embedding", devices=["/CPU:0"], **kw)
+        self.user_embedding = de.keras.layers.Embedding(
+            cfg["embedding_dim"], key_dtype=tf.string, initializer=init, name="user-embedding", devices=["/CPU:0"], **kw
+        )
+        self.item_embedding = de.keras.layers.Embedding(
+            cfg["embedding_dim"], key_dtype=tf.int64, initializer=init, name="item-embedding", devices=["/CPU:0"], **kw
+        )
         dense_init = tf.keras.initializers.GlorotUniform(seed=cfg["seed"])
         self.user_dense = tf.keras.layers.Dense(cfg["output_dim"], kernel_initializer=dense_init)
         self.item_dense = tf.keras.layers.Dense(cfg["output_dim"], kernel_initializer=dense_init)
@@ -117,11 +129,18 @@ def e2e(data_path, config_path):
     if cfg.get("redis_config"):
         creator = de.RedisTableCreator(de.RedisTableConfig(redis_config_abs_dir=cfg["redis_config"]))
     model = TwoTower(cfg, creator)
-    model.compile(optimizer=de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(cfg["learning_rate"])),
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    out = {"system": "tfra-0.8.1", "tf": tf.__version__, "keras": "tf-keras " + __import__("tf_keras").__version__,
-           **common.fit_and_evaluate(tf, model, cfg, data, data["train_users"], data["train_items"],
-                                     data["test_users"], data["all_items"])}
+    model.compile(
+        optimizer=de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(cfg["learning_rate"])),
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    out = {
+        "system": "tfra-0.8.1",
+        "tf": tf.__version__,
+        "keras": "tf-keras " + __import__("tf_keras").__version__,
+        **common.fit_and_evaluate(
+            tf, model, cfg, data, data["train_users"], data["train_items"], data["test_users"], data["all_items"]
+        ),
+    }
     if creator is not None:
         for layer in (model.user_embedding, model.item_embedding):
             layer.params.clear()

@@ -10,7 +10,7 @@ The data directory is the first argument, else $TFDE_EXAMPLE_DATA, else
 ./movielens; checkpoints go to the second (default ./checkpoints), one
 directory for every worker: each writes its own files there, and a
 checkpoint restores into any number of workers.  Horovod builds against TF <=
-2.16 (the README, "Distributed training", says how to install it).
+2.16 (docs/distributed.md, "Horovod", says how to install it).
 
 What it shows: int64 keys (user and movie ids) on each worker's own tables,
 ids and rows travelling to their owners through Horovod's all-to-all;
@@ -29,13 +29,12 @@ os.environ["TF_USE_LEGACY_KERAS"] = "1"
 import argparse  # noqa: E402
 
 import horovod.tensorflow.keras as hvd  # noqa: E402
+import movielens  # noqa: E402  (examples/movielens.py)
 import tensorflow as tf  # noqa: E402
 import tensorflow_recommenders as tfrs  # noqa: E402
 
 import tfde  # noqa: E402
 import tfde.distributed.horovod  # noqa: E402
-
-import movielens  # noqa: E402  (examples/movielens.py)
 
 SEED = 2023
 
@@ -48,8 +47,12 @@ def parse_args():
     parser.add_argument("--steps", type=int, help="training steps per epoch (default: the whole training set)")
     parser.add_argument("--batch-size", type=int, default=1024, help="global batch: all workers together")
     parser.add_argument("--learning-rate", type=float, default=0.01)
-    parser.add_argument("--max-rows", type=int, default=100_000,
-                        help="keep each table at most this many keys (90%% kept when it passes)")
+    parser.add_argument(
+        "--max-rows",
+        type=int,
+        default=100_000,
+        help="keep each table at most this many keys (90%% kept when it passes)",
+    )
     parser.add_argument("--k", type=int, default=100, help="the top-k metric printed at the end")
     return parser.parse_args()
 
@@ -57,13 +60,21 @@ def parse_args():
 def tower(name):
     """ids [batch] int64 -> [batch, 32] float32, unit length.  The table
     creator is tfde's default: this worker's cuckoo tables."""
-    return tf.keras.Sequential([
-        tfde.keras.layers.Embedding(64, key_dtype=tf.int64, initializer=tf.random_uniform_initializer(-0.05, 0.05),
-                                    restrict_policy=tfde.FrequencyRestrictPolicy, name=f"{name}-embedding"),
-        tf.keras.layers.Dense(64, activation="gelu"),
-        tf.keras.layers.Dense(32),
-        tf.keras.layers.Lambda(lambda x: tf.math.l2_normalize(x, axis=1)),
-    ], name=f"{name}_tower")
+    return tf.keras.Sequential(
+        [
+            tfde.keras.layers.Embedding(
+                64,
+                key_dtype=tf.int64,
+                initializer=tf.random_uniform_initializer(-0.05, 0.05),
+                restrict_policy=tfde.FrequencyRestrictPolicy,
+                name=f"{name}-embedding",
+            ),
+            tf.keras.layers.Dense(64, activation="gelu"),
+            tf.keras.layers.Dense(32),
+            tf.keras.layers.Lambda(lambda x: tf.math.l2_normalize(x, axis=1)),
+        ],
+        name=f"{name}_tower",
+    )
 
 
 class TwoTower(tfrs.Model):
@@ -94,8 +105,10 @@ def main():
 
     ratings = movielens.load(data_dir)
     train, validation = movielens.split(ratings, seed=SEED)
-    say(f"{data_dir}: {len(train['movie_id']):,} training and {len(validation['movie_id']):,} validation ratings, "
-        f"{len(ratings['all_movie_ids']):,} movies")
+    say(
+        f"{data_dir}: {len(train['movie_id']):,} training and {len(validation['movie_id']):,} validation ratings, "
+        f"{len(ratings['all_movie_ids']):,} movies"
+    )
 
     def share(part):
         # Every worker must take the same number of steps (every lookup is a
@@ -111,27 +124,36 @@ def main():
     movies = tf.data.Dataset.from_tensor_slices(ratings["all_movie_ids"])
 
     user_tower, movie_tower = tower("user"), tower("movie")
-    model = TwoTower(user_tower, movie_tower, tfrs.tasks.Retrieval(
-        loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True, reduction=tf.keras.losses.Reduction.NONE),
-        metrics=tfrs.metrics.FactorizedTopK(movies.batch(128).map(movie_tower), ks=sorted({1, 10, args.k}))))
-    model.compile(optimizer=hvd.DistributedOptimizer(
-        tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(args.learning_rate))))
+    model = TwoTower(
+        user_tower,
+        movie_tower,
+        tfrs.tasks.Retrieval(
+            loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True, reduction=tf.keras.losses.Reduction.NONE),
+            metrics=tfrs.metrics.FactorizedTopK(movies.batch(128).map(movie_tower), ks=sorted({1, 10, args.k})),
+        ),
+    )
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(args.learning_rate)))
+    )
 
     checkpoint = tfde.keras.callbacks.ModelCheckpoint(args.checkpoints, restore=True)
     restrict = tfde.keras.callbacks.RestrictCallback(max_size=args.max_rows, num_reserved=args.max_rows * 9 // 10)
     callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), checkpoint, restrict]
-    model.fit(train_ds, epochs=args.epochs, steps_per_epoch=args.steps, callbacks=callbacks,
-              verbose=2 if rank == 0 else 0)
+    model.fit(
+        train_ds, epochs=args.epochs, steps_per_epoch=args.steps, callbacks=callbacks, verbose=2 if rank == 0 else 0
+    )
     if checkpoint.restored_from:
         say(f"resumed from {checkpoint.restored_from}")
     else:
         say(f"no checkpoint in {args.checkpoints} at the start: trained from scratch")
-    say(f"optimizer steps: {int(model.optimizer.iterations.numpy())}; latest checkpoint: "
-        f"{checkpoint.manager.latest_checkpoint}")
-    sizes = {layer.name: tfde.policy.global_size(layer.params) for layer in
-             (user_tower.layers[0], movie_tower.layers[0])}
-    say(f"rows stored (all workers): {sizes}; {restrict.restrictor.removed:,} keys removed here by the "
-        "restrict policy")
+    say(
+        f"optimizer steps: {int(model.optimizer.iterations.numpy())}; latest checkpoint: "
+        f"{checkpoint.manager.latest_checkpoint}"
+    )
+    sizes = {
+        layer.name: tfde.policy.global_size(layer.params) for layer in (user_tower.layers[0], movie_tower.layers[0])
+    }
+    say(f"rows stored (all workers): {sizes}; {restrict.restrictor.removed:,} keys removed here by the restrict policy")
     result = model.evaluate(validation_ds, return_dict=True, verbose=0)
     top_k = result[f"factorized_top_k/top_{args.k}_categorical_accuracy"]
     # Each worker evaluated its own share, all of one size: their mean is the metric of the whole validation set.

@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-DATA_ENV = "TFDE_EXAMPLE_DATA"   # the data directory, when not given on the command line
-DEFAULT_DIR = "movielens"        # ... and when neither is given
+DATA_ENV = "TFDE_EXAMPLE_DATA"  # the data directory, when not given on the command line
+DEFAULT_DIR = "movielens"  # ... and when neither is given
 
 
 def data_dir(given=None) -> str:
@@ -24,9 +24,11 @@ def data_dir(given=None) -> str:
     directory = given or os.environ.get(DATA_ENV) or DEFAULT_DIR
     missing = [name for name in ("ratings.csv", "movies.csv") if not os.path.isfile(os.path.join(directory, name))]
     if missing:
-        raise SystemExit(f"{directory}: no {' or '.join(missing)} there. Expected a directory with MovieLens's "
-                         f"ratings.csv and movies.csv; write one with `tfde make-data {directory}` (or give another "
-                         f"directory as the first argument, or in ${DATA_ENV})")
+        raise SystemExit(
+            f"{directory}: no {' or '.join(missing)} there. Expected a directory with MovieLens's "
+            f"ratings.csv and movies.csv; write one with `tfde make-data {directory}` (or give another "
+            f"directory as the first argument, or in ${DATA_ENV})"
+        )
     return directory
 
 
@@ -34,9 +36,10 @@ def _rows(path, header):
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         seen = next(reader, None)
-        if seen is None or [h.strip() for h in seen[:len(header)]] != header:
-            raise SystemExit(f"{path}: expected a MovieLens CSV whose header starts with {','.join(header)}, "
-                             f"got {seen!r}")
+        if seen is None or [h.strip() for h in seen[: len(header)]] != header:
+            raise SystemExit(
+                f"{path}: expected a MovieLens CSV whose header starts with {','.join(header)}, got {seen!r}"
+            )
         for lineno, row in enumerate(reader, start=2):
             if row:
                 yield lineno, row
@@ -53,27 +56,35 @@ def load(directory: str) -> dict:
         try:
             titles[int(row[0])] = row[1]
         except (IndexError, ValueError):
-            raise SystemExit(f"{movies_path}:{lineno}: expected movieId,title,genres with an integer movieId, "
-                             f"got {row!r}") from None
+            raise SystemExit(
+                f"{movies_path}:{lineno}: expected movieId,title,genres with an integer movieId, got {row!r}"
+            ) from None
     users, movies = [], []
     ratings_path = os.path.join(directory, "ratings.csv")
     for lineno, row in _rows(ratings_path, ["userId", "movieId"]):
         try:
             user, movie = int(row[0]), int(row[1])
         except (IndexError, ValueError):
-            raise SystemExit(f"{ratings_path}:{lineno}: expected userId,movieId,rating,timestamp with integer ids, "
-                             f"got {row!r}") from None
+            raise SystemExit(
+                f"{ratings_path}:{lineno}: expected userId,movieId,rating,timestamp with integer ids, got {row!r}"
+            ) from None
         if movie not in titles:
-            raise SystemExit(f"{ratings_path}:{lineno}: movieId {movie} is not in {movies_path}; the two files "
-                             "must come from the same release (or the same `tfde make-data` run)")
+            raise SystemExit(
+                f"{ratings_path}:{lineno}: movieId {movie} is not in {movies_path}; the two files "
+                "must come from the same release (or the same `tfde make-data` run)"
+            )
         users.append(user)
         movies.append(movie)
     if not movies:
         raise SystemExit(f"{ratings_path}: no ratings")
     movie_ids = np.asarray(movies, np.int64)
-    return {"user_id": np.asarray(users, np.int64), "movie_id": movie_ids,
-            "movie_title": np.asarray([titles[m] for m in movies]),
-            "all_movie_ids": np.asarray(list(titles), np.int64), "all_movie_titles": np.asarray(list(titles.values()))}
+    return {
+        "user_id": np.asarray(users, np.int64),
+        "movie_id": movie_ids,
+        "movie_title": np.asarray([titles[m] for m in movies]),
+        "all_movie_ids": np.asarray(list(titles), np.int64),
+        "all_movie_titles": np.asarray(list(titles.values())),
+    }
 
 
 def split(ratings: dict, validation_fraction: float = 0.1, seed: int = 2023):
@@ -83,5 +94,7 @@ def split(ratings: dict, validation_fraction: float = 0.1, seed: int = 2023):
     order = np.random.default_rng(seed).permutation(n)
     n_validation = max(1, int(n * validation_fraction))
     per_rating = ("user_id", "movie_id", "movie_title")
-    return ({k: ratings[k][order[n_validation:]] for k in per_rating},
-            {k: ratings[k][order[:n_validation]] for k in per_rating})
+    return (
+        {k: ratings[k][order[n_validation:]] for k in per_rating},
+        {k: ratings[k][order[:n_validation]] for k in per_rating},
+    )

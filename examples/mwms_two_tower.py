@@ -34,12 +34,11 @@ os.environ["TF_USE_LEGACY_KERAS"] = "1"
 import argparse  # noqa: E402
 import json  # noqa: E402
 
+import movielens  # noqa: E402  (examples/movielens.py)
 import tensorflow as tf  # noqa: E402
 import tensorflow_recommenders as tfrs  # noqa: E402
 
 import tfde  # noqa: E402
-
-import movielens  # noqa: E402  (examples/movielens.py)
 
 SEED = 2023
 
@@ -51,8 +50,12 @@ def parse_args():
     parser.add_argument("--steps", type=int, help="training steps per epoch (default: the whole training set)")
     parser.add_argument("--batch-size", type=int, default=1024, help="global batch: all workers together")
     parser.add_argument("--learning-rate", type=float, default=0.01)
-    parser.add_argument("--max-rows", type=int, default=100_000,
-                        help="keep each table at most this many keys (90%% kept when it passes)")
+    parser.add_argument(
+        "--max-rows",
+        type=int,
+        default=100_000,
+        help="keep each table at most this many keys (90%% kept when it passes)",
+    )
     parser.add_argument("--k", type=int, default=100, help="the top-k metric printed at the end")
     return parser.parse_args()
 
@@ -61,25 +64,35 @@ def redis_creator():
     path = os.environ.get("REDIS_CONFIG")
     if path:
         return tfde.RedisTableCreator(path)
-    return tfde.RedisTableCreator({
-        "redis_connection_mode": 2,  # a standalone server
-        "redis_host_ip": [os.environ.get("REDIS_HOST", "127.0.0.1")],
-        "redis_host_port": [int(os.environ.get("REDIS_PORT", "6379"))],
-        "model_tag_runtime": os.environ.get("REDIS_MODEL_TAG", "tfde-example-mwms"),
-        "storage_slice": 2,
-    })
+    return tfde.RedisTableCreator(
+        {
+            "redis_connection_mode": 2,  # a standalone server
+            "redis_host_ip": [os.environ.get("REDIS_HOST", "127.0.0.1")],
+            "redis_host_port": [int(os.environ.get("REDIS_PORT", "6379"))],
+            "model_tag_runtime": os.environ.get("REDIS_MODEL_TAG", "tfde-example-mwms"),
+            "storage_slice": 2,
+        }
+    )
 
 
 def tower(name, creator):
     """ids [batch] string -> [batch, 32] float32, unit length."""
-    return tf.keras.Sequential([
-        tfde.keras.layers.Embedding(64, key_dtype=tf.string, initializer=tf.random_uniform_initializer(-0.05, 0.05),
-                                    restrict_policy=tfde.FrequencyRestrictPolicy, table_creator=creator,
-                                    name=f"{name}-embedding"),
-        tf.keras.layers.Dense(64, activation="gelu"),
-        tf.keras.layers.Dense(32),
-        tf.keras.layers.Lambda(lambda x: tf.math.l2_normalize(x, axis=1)),
-    ], name=f"{name}_tower")
+    return tf.keras.Sequential(
+        [
+            tfde.keras.layers.Embedding(
+                64,
+                key_dtype=tf.string,
+                initializer=tf.random_uniform_initializer(-0.05, 0.05),
+                restrict_policy=tfde.FrequencyRestrictPolicy,
+                table_creator=creator,
+                name=f"{name}-embedding",
+            ),
+            tf.keras.layers.Dense(64, activation="gelu"),
+            tf.keras.layers.Dense(32),
+            tf.keras.layers.Lambda(lambda x: tf.math.l2_normalize(x, axis=1)),
+        ],
+        name=f"{name}_tower",
+    )
 
 
 class TwoTower(tfrs.Model):
@@ -107,27 +120,35 @@ def main():
     data_dir = movielens.data_dir(args.data)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         # A worker that dies makes the others fail within this time instead of waiting for ever.
-        communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=300))
+        communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=300)
+    )
     worker = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
     workers = strategy.num_replicas_in_sync
     say = lambda *a: print(f"[worker {worker}/{workers}]", *a, flush=True)  # noqa: E731
 
     ratings = movielens.load(data_dir)
     train, validation = movielens.split(ratings, seed=SEED)
-    say(f"{data_dir}: {len(train['movie_id']):,} training and {len(validation['movie_id']):,} validation ratings, "
-        f"{len(ratings['all_movie_ids']):,} movies")
+    say(
+        f"{data_dir}: {len(train['movie_id']):,} training and {len(validation['movie_id']):,} validation ratings, "
+        f"{len(ratings['all_movie_ids']):,} movies"
+    )
 
     def examples(part):
         # tfds's MovieLens gives user ids as strings: so do we.
-        return tf.data.Dataset.from_tensor_slices({"user_id": part["user_id"].astype(str),
-                                                   "movie_title": part["movie_title"]})
+        return tf.data.Dataset.from_tensor_slices(
+            {"user_id": part["user_id"].astype(str), "movie_title": part["movie_title"]}
+        )
 
     # Every worker reads the same files and keeps its share of every global
     # batch (DATA sharding); the seeded shuffle is the same on every worker.
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    train_ds = (examples(train).shuffle(len(train["movie_id"]), seed=SEED)
-                .batch(args.batch_size, drop_remainder=True).with_options(options))
+    train_ds = (
+        examples(train)
+        .shuffle(len(train["movie_id"]), seed=SEED)
+        .batch(args.batch_size, drop_remainder=True)
+        .with_options(options)
+    )
     validation_ds = examples(validation).batch(args.batch_size).with_options(options)
     if args.steps:
         train_ds = train_ds.repeat()
@@ -139,24 +160,30 @@ def main():
         user_tower, movie_tower = tower("user", creator), tower("movie", creator)
         task = tfrs.tasks.Retrieval(
             loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True, reduction=tf.keras.losses.Reduction.NONE),
-            metrics=tfrs.metrics.FactorizedTopK(candidates=movies.batch(128).map(movie_tower),
-                                                ks=sorted({1, 10, args.k})))
+            metrics=tfrs.metrics.FactorizedTopK(
+                candidates=movies.batch(128).map(movie_tower), ks=sorted({1, 10, args.k})
+            ),
+        )
         model = TwoTower(user_tower, movie_tower, task)
         model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(args.learning_rate)))
 
     restrict = tfde.keras.callbacks.RestrictCallback(max_size=args.max_rows, num_reserved=args.max_rows * 9 // 10)
-    model.fit(train_ds, epochs=args.epochs, steps_per_epoch=args.steps, callbacks=[restrict],
-              verbose=2 if worker == 0 else 0)
+    model.fit(
+        train_ds, epochs=args.epochs, steps_per_epoch=args.steps, callbacks=[restrict], verbose=2 if worker == 0 else 0
+    )
     # Each key's last write is its owner's: wait for every worker's before
     # reading the tables from the metric's tf.data function.
     tfde.exchange.barrier(strategy)
-    sizes = {layer.name: tfde.policy.global_size(layer.params) for layer in
-             (user_tower.layers[0], movie_tower.layers[0])}
+    sizes = {
+        layer.name: tfde.policy.global_size(layer.params) for layer in (user_tower.layers[0], movie_tower.layers[0])
+    }
     say(f"rows stored: {sizes}; {restrict.restrictor.removed:,} keys removed by the restrict policy")
     result = model.evaluate(validation_ds, return_dict=True, verbose=0)
     say(f"optimizer steps: {int(model.optimizer.iterations.numpy())}")
-    say(f"validation top-{args.k} categorical accuracy: "
-        f"{result[f'factorized_top_k/top_{args.k}_categorical_accuracy']:.4f}")
+    say(
+        f"validation top-{args.k} categorical accuracy: "
+        f"{result[f'factorized_top_k/top_{args.k}_categorical_accuracy']:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -24,13 +24,12 @@ os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
 import argparse  # noqa: E402
 
+import movielens  # noqa: E402  (examples/movielens.py)
 import tensorflow as tf  # noqa: E402
 import tensorflow_recommenders as tfrs  # noqa: E402
 
 import tfde.compat.tfra as tfra  # noqa: E402
 from tfde.compat.tfra import dynamic_embedding as de  # noqa: E402
-
-import movielens  # noqa: E402  (examples/movielens.py)
 
 SEED = 2023
 
@@ -42,28 +41,36 @@ def parse_args():
     parser.add_argument("--steps", type=int, help="training steps per epoch (default: the whole training set)")
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--learning-rate", type=float, default=0.01)
-    parser.add_argument("--max-rows", type=int, default=100_000,
-                        help="after each epoch, trim a table that holds more than this many keys to 90%% of it")
+    parser.add_argument(
+        "--max-rows",
+        type=int,
+        default=100_000,
+        help="after each epoch, trim a table that holds more than this many keys to 90%% of it",
+    )
     parser.add_argument("--k", type=int, default=100, help="the top-k metric printed at the end")
     return parser.parse_args()
 
 
 def tower(name, key_dtype, capacity):
     """ids [batch] of key_dtype -> [batch, 32] float32, unit length."""
-    return tf.keras.Sequential([
-        de.keras.layers.Embedding(
-            embedding_size=64,
-            key_dtype=key_dtype,
-            initializer=tf.random_uniform_initializer(-0.05, 0.05),
-            init_capacity=capacity,
-            restrict_policy=de.FrequencyRestrictPolicy,
-            devices=["CPU"],
-            kv_creator=tfra.dynamic_embedding.CuckooHashTableCreator(saver=de.FileSystemSaver()),
-            name=f"{name}-embedding"),
-        tf.keras.layers.Dense(64, activation="gelu"),
-        tf.keras.layers.Dense(32),
-        tf.keras.layers.Lambda(lambda x: tf.math.l2_normalize(x, axis=1)),
-    ], name=f"{name}_tower")
+    return tf.keras.Sequential(
+        [
+            de.keras.layers.Embedding(
+                embedding_size=64,
+                key_dtype=key_dtype,
+                initializer=tf.random_uniform_initializer(-0.05, 0.05),
+                init_capacity=capacity,
+                restrict_policy=de.FrequencyRestrictPolicy,
+                devices=["CPU"],
+                kv_creator=tfra.dynamic_embedding.CuckooHashTableCreator(saver=de.FileSystemSaver()),
+                name=f"{name}-embedding",
+            ),
+            tf.keras.layers.Dense(64, activation="gelu"),
+            tf.keras.layers.Dense(32),
+            tf.keras.layers.Lambda(lambda x: tf.math.l2_normalize(x, axis=1)),
+        ],
+        name=f"{name}_tower",
+    )
 
 
 class TwoTower(tfrs.Model):
@@ -96,8 +103,11 @@ def main():
     data_dir = movielens.data_dir(args.data)
     ratings = movielens.load(data_dir)
     train, validation = movielens.split(ratings, seed=SEED)
-    print(f"{data_dir}: {len(train['movie_id']):,} training and {len(validation['movie_id']):,} validation "
-          f"ratings, {len(ratings['all_movie_ids']):,} movies", flush=True)
+    print(
+        f"{data_dir}: {len(train['movie_id']):,} training and {len(validation['movie_id']):,} validation "
+        f"ratings, {len(ratings['all_movie_ids']):,} movies",
+        flush=True,
+    )
 
     def examples(part):
         return tf.data.Dataset.from_tensor_slices({"user_id": part["user_id"], "movie_title": part["movie_title"]})
@@ -111,9 +121,14 @@ def main():
     num_users = len(set(ratings["user_id"].tolist()))
     user_tower = tower("user", tf.int64, num_users)
     movie_tower = tower("movie", tf.string, len(ratings["all_movie_ids"]))
-    model = TwoTower(user_tower, movie_tower, tfrs.tasks.Retrieval(
-        loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True, reduction=tf.keras.losses.Reduction.NONE),
-        metrics=tfrs.metrics.FactorizedTopK(movies.batch(128).map(movie_tower), ks=sorted({1, 10, args.k}))))
+    model = TwoTower(
+        user_tower,
+        movie_tower,
+        tfrs.tasks.Retrieval(
+            loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True, reduction=tf.keras.losses.Reduction.NONE),
+            metrics=tfrs.metrics.FactorizedTopK(movies.batch(128).map(movie_tower), ks=sorted({1, 10, args.k})),
+        ),
+    )
     model.compile(optimizer=de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(args.learning_rate)))
 
     embeddings = [user_tower.layers[0], movie_tower.layers[0]]
@@ -123,8 +138,11 @@ def main():
     print(f"rows stored: {sizes}; {restrict.removed:,} keys removed by the restrict policy")
     result = model.evaluate(validation_ds, return_dict=True, verbose=0)
     print(f"optimizer steps: {int(model.optimizer.iterations.numpy())}")
-    print(f"validation top-{args.k} categorical accuracy: "
-          f"{result[f'factorized_top_k/top_{args.k}_categorical_accuracy']:.4f}", flush=True)
+    print(
+        f"validation top-{args.k} categorical accuracy: "
+        f"{result[f'factorized_top_k/top_{args.k}_categorical_accuracy']:.4f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ reference), VARIABLE_BACKENDS (what Variable-level tests run on)."""
 import uuid
 
 import redis
-
 import redis_servers
+
 import tfde
 from tfde.tables import CuckooTableCreator, ReferenceTableCreator
 
@@ -45,8 +45,13 @@ class FreshRedis:
 
     def __init__(self, mode=2, **config):
         self.tag = f"tfde-test-{uuid.uuid4().hex[:12]}"
-        cfg = {"model_tag_runtime": self.tag, "storage_slice": 3, "keys_sending_size": 7,
-               "redis_connection_mode": mode, **config}
+        cfg = {
+            "model_tag_runtime": self.tag,
+            "storage_slice": 3,
+            "keys_sending_size": 7,
+            "redis_connection_mode": mode,
+            **config,
+        }
         if mode == 2:
             cfg["redis_host_port"] = REDIS_PORT
             self.data_ports = [REDIS_PORT]

@@ -11,7 +11,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import tfde  # noqa: E402
 from backends import BACKENDS, VARIABLE_BACKENDS  # noqa: E402
 
 LEGACY_KERAS = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
@@ -28,8 +27,10 @@ collect_ignore = [] if LEGACY_KERAS else list(TF_KERAS_ONLY)
 # here, from their code: the test function, the fixtures it uses and the
 # helpers of its module it calls, so a new test is classified as it is
 # written.
-_STARTS_A_PROCESS = re.compile(r"\bsubprocess\b|\bPopen\b|\bsys\.executable\b|\brun_job\(|horovodrun|"
-                               r"\bstandalone\(|\bRestartable\(|\bcluster\(\)|\bsentinel\(\)|\b_server\(")
+_STARTS_A_PROCESS = re.compile(
+    r"\bsubprocess\b|\bPopen\b|\bsys\.executable\b|\brun_job\(|horovodrun|"
+    r"\bstandalone\(|\bRestartable\(|\bcluster\(\)|\bsentinel\(\)|\b_server\("
+)
 
 
 def _source(fn) -> str:
@@ -49,8 +50,9 @@ def _starts_a_process(item) -> bool:
         module = inspect.getmodule(f)
         for name in getattr(getattr(f, "__code__", None), "co_names", ()):
             helper = getattr(module, name, None)
-            if (inspect.isfunction(helper) or inspect.isclass(helper)) and \
-                    getattr(helper, "__module__", None) == getattr(module, "__name__", None):
+            if (inspect.isfunction(helper) or inspect.isclass(helper)) and getattr(
+                helper, "__module__", None
+            ) == getattr(module, "__name__", None):
                 sources.append(_source(helper))
     return any(_STARTS_A_PROCESS.search(src) for src in sources)
 
@@ -65,6 +67,8 @@ def pytest_report_header(config):
     if not LEGACY_KERAS:
         return f"Keras 3 run: {', '.join(TF_KERAS_ONLY)} (tfrs, tf-keras only) run in the tf-keras run"
     return None
+
+
 @pytest.fixture(params=VARIABLE_BACKENDS)
 def creator(request):
     """A TableCreator of every backend Variable-level tests run on

@@ -19,7 +19,6 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-
 from redis_servers import free_port
 
 JOB = Path(__file__).with_name("distributed_job.py")
@@ -30,20 +29,41 @@ def run_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None):
     """Runs the job with `workers` processes (MultiWorkerMirroredStrategy on
     loopback, or horovodrun for engine 'hvd'); returns load() of its files."""
     ports = [free_port() for _ in range(workers)]
-    cfg = {"workers": workers, "ports": ports, "engine": engine, "optimizer": optimizer, "layout": layout,
-           "redis": {"model_tag_runtime": f"{tag}-{workers}"}, "steps": 6, "global_batch": 32,
-           "out": str(tmp_path / f"out{workers}"), **(extra or {})}
+    cfg = {
+        "workers": workers,
+        "ports": ports,
+        "engine": engine,
+        "optimizer": optimizer,
+        "layout": layout,
+        "redis": {"model_tag_runtime": f"{tag}-{workers}"},
+        "steps": 6,
+        "global_batch": 32,
+        "out": str(tmp_path / f"out{workers}"),
+        **(extra or {}),
+    }
     path = tmp_path / f"cfg{workers}.json"
     path.write_text(json.dumps(cfg))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(JOB.parent.parent)}
     if engine == "hvd" and workers > 1:
         horovodrun = shutil.which("horovodrun", path=str(Path(sys.executable).parent)) or "horovodrun"
-        commands = [[horovodrun, "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
-                     sys.executable, str(JOB), str(path)]]
+        commands = [
+            [
+                horovodrun,
+                "-np",
+                str(workers),
+                "-H",
+                f"localhost:{workers}",
+                "--gloo",
+                sys.executable,
+                str(JOB),
+                str(path),
+            ]
+        ]
     else:
         commands = [[sys.executable, str(JOB), str(path), str(i)] for i in range(workers)]
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for c in commands]
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for c in commands
+    ]
     outputs = []
     try:
         for p in procs:
@@ -78,8 +98,9 @@ def load(prefix):
                     table[key] = row
             elif name.startswith("dense/"):
                 if name in dense:  # every worker holds the same dense weights
-                    np.testing.assert_allclose(value, dense[name], rtol=1e-6, atol=1e-7,
-                                               err_msg=f"{name} differs between workers ({f})")
+                    np.testing.assert_allclose(
+                        value, dense[name], rtol=1e-6, atol=1e-7, err_msg=f"{name} differs between workers ({f})"
+                    )
                 dense[name] = value
     return tables, dense
 
@@ -91,8 +112,13 @@ def check_equal(one, two):
         assert set(t1[name]) == set(t2[name]), f"{name}: key sets differ"
         keys = sorted(t1[name])
         assert len(keys) >= 10
-        np.testing.assert_allclose(np.stack([t2[name][k] for k in keys]), np.stack([t1[name][k] for k in keys]),
-                                   rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            np.stack([t2[name][k] for k in keys]),
+            np.stack([t1[name][k] for k in keys]),
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=name,
+        )
     for name in d1:
         np.testing.assert_allclose(d2[name], d1[name], rtol=1e-5, atol=1e-6, err_msg=name)
 

@@ -6,7 +6,8 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          "layout": "cuckoo" | "redis", "redis": {...config...} or null, "steps": T,
          "global_batch": G, "out": "prefix",
          optional: "restore_dir" (restore its latest checkpoint before training),
-         "save_dir" (save a checkpoint there after training; "{rank}" in either is the worker's index), "restrict", "admission",
+         "save_dir" (save a checkpoint there after training; "{rank}" in either is the worker's index),
+         "restrict", "admission",
          "model": "keras" (default: Keras's train_step) | "tfrs" (a tfrs.Model: its train_step calls
          tape.gradient and apply_gradients) | "custom_step" (a Keras train_step of our own doing the same),
          "hvd_wrap": false (the tfde optimizer without hvd.DistributedOptimizer),
@@ -46,13 +47,18 @@ if cfg["engine"] == "hvd":  # launched by horovodrun: the rank comes from Horovo
     else:
         hvd = tfde_hvd.init()
     import horovod.tensorflow.keras as hvd_keras
+
     index = hvd.rank()
     assert hvd.size() == N, (hvd.size(), N)
 else:
     index = int(sys.argv[2])
     if N > 1:
-        os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in cfg["ports"]]},
-                                              "task": {"type": "worker", "index": index}})
+        os.environ["TF_CONFIG"] = json.dumps(
+            {
+                "cluster": {"worker": [f"localhost:{p}" for p in cfg["ports"]]},
+                "task": {"type": "worker", "index": index},
+            }
+        )
 
 import tensorflow as tf  # noqa: E402
 
@@ -72,7 +78,7 @@ all_labels = rng.random(total).astype(np.float32)
 # with 2 workers worker 1 sees no new key in the last step (the same data for
 # any number of workers).
 last = np.array_split(np.arange(total - sizes[-1], total), 2)[-1]
-all_users[last], all_items[last] = all_users[:len(last)], all_items[:len(last)]
+all_users[last], all_items[last] = all_users[: len(last)], all_items[: len(last)]
 parts, start = [], 0
 for size in sizes:  # this worker's slice of each global batch
     part = np.array_split(np.arange(start, start + size), N)[index]
@@ -99,14 +105,17 @@ def make_layers(model):
     emb = dict(initializer=tf.keras.initializers.RandomNormal(stddev=0.3, seed=1), table_creator=creator)
     if cfg.get("restrict"):
         emb["restrict_policy"] = tfde.FrequencyRestrictPolicy
-    admission = {"counter": lambda: tfde.CounterFilter(2),
-                 "probability": lambda: tfde.ProbabilityFilter(0.5, seed=3)}.get(cfg.get("admission"))
-    model.user_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.string, name="user_emb",
-                                                 admission_filter=admission and admission(), **emb)
-    model.item_emb = tfde.keras.layers.Embedding(8, key_dtype=tf.int64, name="item_emb",
-                                                 admission_filter=admission and admission(), **emb)
-    model.dense = tf.keras.layers.Dense(4, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2),
-                                        name="dense")
+    admission = {
+        "counter": lambda: tfde.CounterFilter(2),
+        "probability": lambda: tfde.ProbabilityFilter(0.5, seed=3),
+    }.get(cfg.get("admission"))
+    model.user_emb = tfde.keras.layers.Embedding(
+        8, key_dtype=tf.string, name="user_emb", admission_filter=admission and admission(), **emb
+    )
+    model.item_emb = tfde.keras.layers.Embedding(
+        8, key_dtype=tf.int64, name="item_emb", admission_filter=admission and admission(), **emb
+    )
+    model.dense = tf.keras.layers.Dense(4, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2), name="dense")
 
 
 def forward(model, features, training):
@@ -204,8 +213,11 @@ def optimizer():
 
 def dataset(ctx=None):
     u, i, y = tf.constant(users), tf.constant(items), tf.constant(labels)
-    ds = tf.data.Dataset.from_tensor_slices((part_starts, part_sizes)).repeat(cfg.get("repeat", 1)).map(
-        lambda s, n: ({"user": u[s:s + n], "item": i[s:s + n]}, y[s:s + n]))
+    ds = (
+        tf.data.Dataset.from_tensor_slices((part_starts, part_sizes))
+        .repeat(cfg.get("repeat", 1))
+        .map(lambda s, n: ({"user": u[s : s + n], "item": i[s : s + n]}, y[s : s + n]))
+    )
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     return ds.with_options(options)
@@ -218,8 +230,9 @@ with strategy.scope():
 
 def checkpoints(directory):
     """tfde.saving.CheckpointManager of the job: every worker writes its own files."""
-    return tfde.saving.CheckpointManager(directory, model=model, optimizer=opt,
-                                         strategy=strategy if N > 1 and cfg["engine"] != "hvd" else None)
+    return tfde.saving.CheckpointManager(
+        directory, model=model, optimizer=opt, strategy=strategy if N > 1 and cfg["engine"] != "hvd" else None
+    )
 
 
 def restore_if_asked():
@@ -239,9 +252,16 @@ if cfg["engine"] == "hvd":
         if index == cfg.get("die_worker") and number == cfg.get("die_after_step"):
             os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-training
 
-    model.fit(dataset(), epochs=1, verbose=0, callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
-                                                    tf.keras.callbacks.LambdaCallback(on_train_batch_end=maybe_die)]
-              + restrict_callbacks())
+    model.fit(
+        dataset(),
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+            tf.keras.callbacks.LambdaCallback(on_train_batch_end=maybe_die),
+        ]
+        + restrict_callbacks(),
+    )
 elif cfg["engine"] == "fit":
     with strategy.scope():
         compile_model(model, opt)
@@ -249,8 +269,13 @@ elif cfg["engine"] == "fit":
         data = tf.keras.utils.experimental.DatasetCreator(lambda ctx: dataset(ctx))
         model.fit(data, epochs=1, steps_per_epoch=T, verbose=0, callbacks=restrict_callbacks())
     elif N > 1:  # Keras 3 has no DatasetCreator
-        model.fit(strategy.distribute_datasets_from_function(dataset), epochs=1, steps_per_epoch=T, verbose=0,
-                  callbacks=restrict_callbacks())
+        model.fit(
+            strategy.distribute_datasets_from_function(dataset),
+            epochs=1,
+            steps_per_epoch=T,
+            verbose=0,
+            callbacks=restrict_callbacks(),
+        )
     else:
         model.fit(dataset(), epochs=1, verbose=0, callbacks=restrict_callbacks())
 else:
@@ -272,11 +297,17 @@ else:
                 loss = tf.reduce_sum(tf.square(pred - y)) / global_size
             variables = model.trainable_variables
             opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
         strategy.run(replica_step, args=batch)
 
     data = strategy.distribute_datasets_from_function(dataset) if N > 1 else dataset()
-    auto = tfde.AutoRestrictor([model.user_emb.params, model.item_emb.params], every_n_steps=2,
-                               num_reserved=cfg["restrict"]) if cfg.get("restrict") else None
+    auto = (
+        tfde.AutoRestrictor(
+            [model.user_emb.params, model.item_emb.params], every_n_steps=2, num_reserved=cfg["restrict"]
+        )
+        if cfg.get("restrict")
+        else None
+    )
     for number, batch in enumerate(data):
         step(batch)
         if auto is not None:

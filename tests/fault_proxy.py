@@ -37,8 +37,8 @@ import socket
 import threading
 import time
 
-_LINE_TYPES = b"+-:_#,("   # RESP2 and RESP3 types that are one line
-_BULK_TYPES = b"$!="        # a length line, then that many bytes
+_LINE_TYPES = b"+-:_#,("  # RESP2 and RESP3 types that are one line
+_BULK_TYPES = b"$!="  # a length line, then that many bytes
 _AGGREGATES = {b"*": 1, b"~": 1, b">": 1, b"%": 2}  # n elements (a map: n pairs)
 
 
@@ -49,7 +49,7 @@ def reply_end(buf: bytes, pos: int = 0):
     line_end = buf.find(b"\r\n", pos)
     if line_end < 0:
         return None
-    kind, body = buf[pos:pos + 1], buf[pos + 1:line_end]
+    kind, body = buf[pos : pos + 1], buf[pos + 1 : line_end]
     end = line_end + 2
     if kind in _LINE_TYPES:
         return end
@@ -65,7 +65,7 @@ def reply_end(buf: bytes, pos: int = 0):
             if end is None:
                 return None
         return reply_end(buf, end) if kind == b"|" else end
-    raise ValueError(f"not a RESP reply: {buf[pos:pos + 20]!r}")
+    raise ValueError(f"not a RESP reply: {buf[pos : pos + 20]!r}")
 
 
 class FaultProxy:
@@ -80,21 +80,24 @@ class FaultProxy:
         self._listener.listen(64)
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
-        self._faults = {}       # reply number (since the start) -> fault
-        self.replies = 0        # replies seen so far (forwarded or faulted)
-        self.requests = 0       # commands seen so far (forwarded or cut)
-        self._cut_at = None     # command number to cut at
+        self._faults = {}  # reply number (since the start) -> fault
+        self.replies = 0  # replies seen so far (forwarded or faulted)
+        self.requests = 0  # commands seen so far (forwarded or cut)
+        self._cut_at = None  # command number to cut at
         self._refusing = False  # after a cut, until heal()
-        self.injected = 0       # faults applied so far
-        self.connections = 0    # client connections accepted so far
+        self.injected = 0  # faults applied so far
+        self.connections = 0  # client connections accepted so far
         self._sockets = []
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def inject(self, fault, at: int = 0) -> None:
         """Applies `fault` to the reply `at` replies from now (0: the next)."""
-        if not (fault in ("close", "drop", "corrupt") or (isinstance(fault, str) and fault.startswith("-"))
-                or (isinstance(fault, tuple) and fault[0] == "delay")):
+        if not (
+            fault in ("close", "drop", "corrupt")
+            or (isinstance(fault, str) and fault.startswith("-"))
+            or (isinstance(fault, tuple) and fault[0] == "delay")
+        ):
             raise ValueError(f"unknown fault {fault!r}")
         with self._lock:
             self._faults[self.replies + at] = fault

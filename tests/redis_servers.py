@@ -36,8 +36,9 @@ def cluster_port() -> int:
 
 
 def _server(*args, cwd=None):
-    proc = subprocess.Popen([shutil.which("redis-server"), *args], cwd=cwd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [shutil.which("redis-server"), *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     _procs.append(proc)
     return proc
 
@@ -120,13 +121,38 @@ def cluster():
         work = tempfile.mkdtemp(prefix="tfde-cluster-")
 
         def start(p):
-            proc = _server("--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                           "--cluster-config-file", f"nodes-{p}.conf", "--save", "", "--appendonly", "no", cwd=work)
+            proc = _server(
+                "--port",
+                str(p),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{p}.conf",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                cwd=work,
+            )
             _wait(lambda: redis.Redis(port=p).ping(), f"cluster node {p}", proc=proc)
 
         ports = [_on_a_free_port(start, pick=cluster_port) for _ in range(3)]
-        subprocess.run([shutil.which("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                shutil.which("redis-cli"),
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in ports],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         _wait(lambda: all(_cluster_ok(p) for p in ports), "cluster_state:ok")
         _cache["cluster"] = ports
     return _cache["cluster"]
@@ -146,12 +172,17 @@ def sentinel():
 
         def start(port):
             conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
-            conf.write(f"port {port}\nbind 127.0.0.1\nsentinel monitor master 127.0.0.1 {master} 1\n"
-                       "sentinel down-after-milliseconds master 2000\n")
+            conf.write(
+                f"port {port}\nbind 127.0.0.1\nsentinel monitor master 127.0.0.1 {master} 1\n"
+                "sentinel down-after-milliseconds master 2000\n"
+            )
             conf.close()
             proc = _server(conf.name, "--sentinel")
-            _wait(lambda: redis.Redis(port=port).execute_command("SENTINEL get-master-addr-by-name master"),
-                  f"sentinel on {port}", proc=proc)
+            _wait(
+                lambda: redis.Redis(port=port).execute_command("SENTINEL get-master-addr-by-name master"),
+                f"sentinel on {port}",
+                proc=proc,
+            )
 
         port = _on_a_free_port(start)
         _cache["sentinel"] = (port, master)

@@ -1,13 +1,13 @@
 """Processes of tests/test_saving_processes.py.
 
-  python tests/saving_job.py save-forever DIR KIND    (KIND: tfde | tf)
-      fills a 400K-row table, saves it (prints "saved 1"), changes every
-      row, then saves again and again (prints "saving N") until killed.
-  python tests/saving_job.py continue DIR OUT.npz KIND BACKEND TAG
-      restores the latest checkpoint in DIR (KIND tfde: tfde.CheckpointManager,
-      tf: tf.train.CheckpointManager) into a fresh model on BACKEND (cuckoo,
-      or redis under model tag TAG), trains 10 steps and writes
-      saving_model.snapshot() to OUT.npz.
+python tests/saving_job.py save-forever DIR KIND    (KIND: tfde | tf)
+    fills a 400K-row table, saves it (prints "saved 1"), changes every
+    row, then saves again and again (prints "saving N") until killed.
+python tests/saving_job.py continue DIR OUT.npz KIND BACKEND TAG
+    restores the latest checkpoint in DIR (KIND tfde: tfde.CheckpointManager,
+    tf: tf.train.CheckpointManager) into a fresh model on BACKEND (cuckoo,
+    or redis under model tag TAG), trains 10 steps and writes
+    saving_model.snapshot() to OUT.npz.
 """
 
 import os

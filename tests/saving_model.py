@@ -23,16 +23,26 @@ def build(backend, tag, optimizer="adam"):
     creator = creator_for(backend, tag)
     items = K.Input(shape=(3,), dtype="int64", name="items")
     users = K.Input(shape=(1,), dtype="string", name="user")
-    e = tfde.keras.layers.Embedding(4, name="item_emb", num_shards=2, table_creator=creator,
-                                    restrict_policy=tfde.FrequencyRestrictPolicy,
-                                    admission_filter=tfde.CounterFilter(2), track_changes=True)(items)
-    u = tfde.keras.layers.Embedding(3, key_dtype=tf.string, name="user_emb", table_creator=creator,
-                                    track_changes=True)(users)
+    e = tfde.keras.layers.Embedding(
+        4,
+        name="item_emb",
+        num_shards=2,
+        table_creator=creator,
+        restrict_policy=tfde.FrequencyRestrictPolicy,
+        admission_filter=tfde.CounterFilter(2),
+        track_changes=True,
+    )(items)
+    u = tfde.keras.layers.Embedding(3, key_dtype=tf.string, name="user_emb", table_creator=creator, track_changes=True)(
+        users
+    )
     x = K.layers.Concatenate()([K.layers.Flatten()(e), K.layers.Flatten()(u)])
     out = K.layers.Dense(1, kernel_initializer=K.initializers.GlorotUniform(seed=1))(x)
     model = K.Model([items, users], out)
-    opt = {"adam": lambda: K.optimizers.Adam(0.05), "sgd": lambda: K.optimizers.SGD(0.1, momentum=0.9),
-           "ftrl": lambda: K.optimizers.Ftrl(0.1)}[optimizer]()
+    opt = {
+        "adam": lambda: K.optimizers.Adam(0.05),
+        "sgd": lambda: K.optimizers.SGD(0.1, momentum=0.9),
+        "ftrl": lambda: K.optimizers.Ftrl(0.1),
+    }[optimizer]()
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(opt), loss="mse")
     return model
 

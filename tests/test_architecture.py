@@ -1,4 +1,4 @@
-"""The layout the tree promises (README, "Layout"; docs/design.md): the
+"""The layout the tree promises (docs/layout.md; docs/design.md): the
 import graph of tfde has no cycle, and the core knows distributed training
 only through the Exchange seam (tfde/exchange.py), with the engines beside
 it in tfde/distributed/.  Read from the sources (ast), nothing imported."""
@@ -19,13 +19,12 @@ def _modules() -> dict:
     found = {}
     for path in PACKAGE.rglob("*.py"):
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        found[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+        found[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
     return found
 
 
 MODULES = _modules()
-CORE = sorted(m for m in MODULES
-              if m != "tfde" and not any(m == p or m.startswith(p + ".") for p in OUTSIDE_CORE))
+CORE = sorted(m for m in MODULES if m != "tfde" and not any(m == p or m.startswith(p + ".") for p in OUTSIDE_CORE))
 
 
 def _imports(path: Path) -> set:
@@ -59,7 +58,7 @@ def test_the_import_graph_has_no_cycle():
             if dep == module or module.startswith(dep + "."):
                 continue
             if dep in path:
-                cycles.append(path[path.index(dep):] + [dep])
+                cycles.append(path[path.index(dep) :] + [dep])
             elif dep not in done:
                 visit(dep, path + [dep])
         done.add(module)

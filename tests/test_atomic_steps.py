@@ -16,9 +16,9 @@ import uuid
 import numpy as np
 import pytest
 import redis
+import redis_servers
 import tensorflow as tf
 
-import redis_servers
 import tfde
 
 DIM = 32
@@ -98,6 +98,7 @@ def tag():
 
 # ------------------------------------------------------------ the fault proxy
 
+
 class FaultOnWrite:
     """A loopback TCP proxy in front of a redis-server on `upstream_port`.
     Once armed, when a write command (HSET, EVAL, EVALSHA) naming `marker`
@@ -150,8 +151,12 @@ class FaultOnWrite:
                 buf += data
                 sent = complete = 0  # bytes of buf passed on; bytes of buf in complete commands
                 for end, args in _resp_commands(buf):
-                    if self.armed.is_set() and args and args[0].upper() in self.WRITES \
-                            and any(self.marker in a for a in args[1:]):
+                    if (
+                        self.armed.is_set()
+                        and args
+                        and args[0].upper() in self.WRITES
+                        and any(self.marker in a for a in args[1:])
+                    ):
                         self.armed.clear()
                         upstream.sendall(buf[sent:complete])  # the commands before this one
                         sent = complete
@@ -175,20 +180,20 @@ def _resp_commands(buf):
     """(end offset, args) of each complete RESP command at the start of buf."""
     pos = 0
     while pos < len(buf):
-        if buf[pos:pos + 1] != b"*":
-            raise ValueError(f"not a RESP array at byte {pos}: {buf[pos:pos + 20]!r}")
+        if buf[pos : pos + 1] != b"*":
+            raise ValueError(f"not a RESP array at byte {pos}: {buf[pos : pos + 20]!r}")
         nl = buf.find(b"\r\n", pos)
         if nl < 0:
             return
-        count, at, args = int(buf[pos + 1:nl]), nl + 2, []
+        count, at, args = int(buf[pos + 1 : nl]), nl + 2, []
         for _ in range(count):
             nl = buf.find(b"\r\n", at)
             if nl < 0:
                 return
-            size = int(buf[at + 1:nl])
+            size = int(buf[at + 1 : nl])
             if len(buf) < nl + 2 + size + 2:
                 return
-            args.append(buf[nl + 2:nl + 2 + size])
+            args.append(buf[nl + 2 : nl + 2 + size])
             at = nl + 2 + size + 2
         pos = at
         yield pos, args
@@ -196,11 +201,17 @@ def _resp_commands(buf):
 
 # ------------------------------------------------------------ out of memory, model.fit
 
+
 def _fit_model(creator, num_shards):
-    emb = tfde.keras.layers.Embedding(DIM, seed=3, num_shards=num_shards, table_creator=creator, name="emb",
-                                      restrict_policy=tfde.FrequencyRestrictPolicy)
-    model = tf.keras.Sequential([emb, tf.keras.layers.Flatten(),
-                                 tf.keras.layers.Dense(1, kernel_initializer="ones")])
+    emb = tfde.keras.layers.Embedding(
+        DIM,
+        seed=3,
+        num_shards=num_shards,
+        table_creator=creator,
+        name="emb",
+        restrict_policy=tfde.FrequencyRestrictPolicy,
+    )
+    model = tf.keras.Sequential([emb, tf.keras.layers.Flatten(), tf.keras.layers.Dense(1, kernel_initializer="ones")])
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01)), loss="mse")
     return model, emb.params
 
@@ -221,8 +232,12 @@ def test_out_of_memory_mid_step_leaves_every_key_whole(tag, storage_slice, num_s
     admin = redis.Redis(port=port)
     proxy = FaultOnWrite(port, b"emb-m/", lambda: admin.config_set("maxmemory", 1), drop=False)
     try:
-        model, var = _fit_model(tfde.RedisTableCreator({
-            "redis_host_port": proxy.port, "model_tag_runtime": tag, "storage_slice": storage_slice}), num_shards)
+        model, var = _fit_model(
+            tfde.RedisTableCreator(
+                {"redis_host_port": proxy.port, "model_tag_runtime": tag, "storage_slice": storage_slice}
+            ),
+            num_shards,
+        )
         batches = _batches(6)
         for ids in batches[:3]:
             _fit(model, ids)
@@ -256,6 +271,7 @@ def test_out_of_memory_mid_step_leaves_every_key_whole(tag, storage_slice, num_s
 
 # ------------------------------------------------------------ server killed, tf.function
 
+
 def _adam_step(var, opt):
     @tf.function
     def step(ids):
@@ -268,8 +284,9 @@ def _adam_step(var, opt):
 
 
 def _variable(creator):
-    return tfde.Variable("kill", dim=DIM, seed=4, table_creator=creator,
-                         restrict_policy=tfde.FrequencyRestrictPolicy, track_changes=True)
+    return tfde.Variable(
+        "kill", dim=DIM, seed=4, table_creator=creator, restrict_policy=tfde.FrequencyRestrictPolicy, track_changes=True
+    )
 
 
 def test_server_killed_mid_step_leaves_every_key_whole_and_the_step_retries_once(tag):
@@ -279,8 +296,11 @@ def test_server_killed_mid_step_leaves_every_key_whole_and_the_step_retries_once
     server = redis_servers.Restartable()
     proxy = FaultOnWrite(server.port, b"kill-m/", server.kill, drop=True)
     try:
-        var = _variable(tfde.RedisTableCreator({"redis_host_port": proxy.port, "model_tag_runtime": tag,
-                                                "redis_connect_timeout": 200}))
+        var = _variable(
+            tfde.RedisTableCreator(
+                {"redis_host_port": proxy.port, "model_tag_runtime": tag, "redis_connect_timeout": 200}
+            )
+        )
         opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
         step = _adam_step(var, opt)
         batches = _batches(6, seed=1)

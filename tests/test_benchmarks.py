@@ -1,6 +1,6 @@
 """Every benchmark command of benchmarks/README.md runs, in a quick form,
 so that none can rot.  The figures are not checked: they are measured on a
-shared machine and belong beside the reference system's in the README, not
+shared machine and belong beside the reference system's in docs/benchmarks.md, not
 in a test.  What is checked is that each command finishes and prints both
 systems.  The TFRA reference venv comes from benchmarks/setup-tfra.sh
 (scripts/test.sh builds it and sets TFRA_PYTHON), the Horovod interpreter
@@ -26,10 +26,12 @@ def _needed(variable: str, what: str) -> str:
 
 def _bench(*args, timeout=900) -> str:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n" \
-                                 f"{proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc.stdout
 
 
@@ -43,8 +45,14 @@ def test_the_whole_run_quick_and_its_markdown_tables():
     _needed("TFRA_PYTHON", "the TFRA venv's python")
     out = _bench("benchmarks.run", "--quick")
     assert "reference: TFRA 0.8.1" in out, out[:2000]
-    for part in ("find_batch4096_zipf", "redis op", "two-tower training", "TFRA tf-keras", "tfde Keras 3",
-                 "floor: frozen dense tables"):
+    for part in (
+        "find_batch4096_zipf",
+        "redis op",
+        "two-tower training",
+        "TFRA tf-keras",
+        "tfde Keras 3",
+        "floor: frozen dense tables",
+    ):
         assert part in out, (part, out[-3000:])
     tables = _bench("benchmarks.markdown", str(_written(out)))
     assert tables.count("|") > 20, tables
@@ -53,8 +61,18 @@ def test_the_whole_run_quick_and_its_markdown_tables():
 def test_e2e_with_redis_first_runs_its_floor():
     """The floor run goes with the first backend; with Redis first it used
     to crash clearing the tables of the layers it had swapped out."""
-    out = _bench("benchmarks.e2e_bench", "--backends", "redis", "--redis-interactions", "10000", "--epochs", "1",
-                 "--rounds", "1", "--no-tfra")
+    out = _bench(
+        "benchmarks.e2e_bench",
+        "--backends",
+        "redis",
+        "--redis-interactions",
+        "10000",
+        "--epochs",
+        "1",
+        "--rounds",
+        "1",
+        "--no-tfra",
+    )
     assert "floor: frozen dense tables" in out, out[-2000:]
 
 

@@ -8,25 +8,34 @@ import textwrap
 
 
 def run_py(code, env):
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
 
 
 def test_missing_compiler_is_a_clear_error(tmp_path):
-    proc = run_py("""
+    proc = run_py(
+        """
         import tfde
         from tfde import _native
         try:
             _native.load()
         except tfde.errors.BuildError as e:
             print("BUILD-ERROR:", e)
-    """, {"TFDE_CACHE_DIR": str(tmp_path), "CXX": "", "PATH": "/nonexistent"})
+    """,
+        {"TFDE_CACHE_DIR": str(tmp_path), "CXX": "", "PATH": "/nonexistent"},
+    )
     assert "BUILD-ERROR" in proc.stdout, proc.stdout + proc.stderr
     assert "needs a C++17 compiler" in proc.stdout and "apt-get install g++" in proc.stdout
 
 
 def test_library_from_another_build_is_rebuilt(tmp_path):
-    proc = run_py("""
+    proc = run_py(
+        """
         from tfde import _native
         path = _native.library_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -34,7 +43,9 @@ def test_library_from_another_build_is_rebuilt(tmp_path):
         ops = _native.load()
         import tensorflow as tf
         print("OK", hasattr(ops, "tfde_table_find"), path.stat().st_size > 1000)
-    """, {"TFDE_CACHE_DIR": str(tmp_path)})
+    """,
+        {"TFDE_CACHE_DIR": str(tmp_path)},
+    )
     assert "OK True True" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -42,4 +53,5 @@ def test_cache_key_names_the_tensorflow_version():
     import tensorflow as tf
 
     from tfde import _native
+
     assert f"tf{tf.__version__}" in _native.library_path().name

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import redis
 import tensorflow as tf
-
 from distributed_check import redis_tag
 
 import tfde
@@ -22,16 +21,36 @@ from tfde.compat.tfra import dynamic_embedding as de
 # The content of the users' redis.config (TFRA's format, as their programs
 # read it), kept here so the test does not depend on files outside the repo.
 TFRA_REDIS_CONFIG = {
-    "redis_connection_mode": 2, "redis_master_name": "master", "redis_host_ip": ["127.0.0.1"],
-    "redis_host_port": [6379], "redis_user": "default", "redis_password": "", "redis_db": 0,
-    "redis_read_access_slave": False, "redis_connect_keep_alive": False, "redis_connect_timeout": 1000,
-    "redis_socket_timeout": 1000, "redis_conn_pool_size": 20, "redis_wait_timeout": 100000000,
-    "redis_connection_lifetime": 100, "redis_sentinel_user": "default", "redis_sentinel_password": "",
-    "redis_sentinel_connect_timeout": 1000, "redis_sentinel_socket_timeout": 1000, "storage_slice_import": 2,
-    "storage_slice": 2, "using_hash_storage_slice": False, "keys_sending_size": 1024,
-    "using_md5_prefix_name": False, "redis_hash_tags_hypodispersion": True, "model_tag_import": "test",
-    "redis_hash_tags_import": ["{1}", "{2}"], "model_tag_runtime": "movielens.v6",
-    "redis_hash_tags_runtime": ["{1}", "{2}"], "expire_model_tag_in_seconds": 604800, "table_store_mode": 2,
+    "redis_connection_mode": 2,
+    "redis_master_name": "master",
+    "redis_host_ip": ["127.0.0.1"],
+    "redis_host_port": [6379],
+    "redis_user": "default",
+    "redis_password": "",
+    "redis_db": 0,
+    "redis_read_access_slave": False,
+    "redis_connect_keep_alive": False,
+    "redis_connect_timeout": 1000,
+    "redis_socket_timeout": 1000,
+    "redis_conn_pool_size": 20,
+    "redis_wait_timeout": 100000000,
+    "redis_connection_lifetime": 100,
+    "redis_sentinel_user": "default",
+    "redis_sentinel_password": "",
+    "redis_sentinel_connect_timeout": 1000,
+    "redis_sentinel_socket_timeout": 1000,
+    "storage_slice_import": 2,
+    "storage_slice": 2,
+    "using_hash_storage_slice": False,
+    "keys_sending_size": 1024,
+    "using_md5_prefix_name": False,
+    "redis_hash_tags_hypodispersion": True,
+    "model_tag_import": "test",
+    "redis_hash_tags_import": ["{1}", "{2}"],
+    "model_tag_runtime": "movielens.v6",
+    "redis_hash_tags_runtime": ["{1}", "{2}"],
+    "expire_model_tag_in_seconds": 604800,
+    "table_store_mode": 2,
     "model_lib_abs_dir": "/tmp/",
 }
 
@@ -58,9 +77,19 @@ def test_import_forms_reach_one_module():
     import tfde.compat.tfra.dynamic_embedding as de_module
 
     assert tfra.dynamic_embedding is de is de_module
-    for name in ("RedisTableConfig", "RedisTableCreator", "CuckooHashTableCreator", "FileSystemSaver",
-                 "embedding_lookup", "get_variable", "Variable", "FrequencyRestrictPolicy", "TimestampRestrictPolicy",
-                 "DynamicEmbeddingOptimizer", "enable_inference_mode"):
+    for name in (
+        "RedisTableConfig",
+        "RedisTableCreator",
+        "CuckooHashTableCreator",
+        "FileSystemSaver",
+        "embedding_lookup",
+        "get_variable",
+        "Variable",
+        "FrequencyRestrictPolicy",
+        "TimestampRestrictPolicy",
+        "DynamicEmbeddingOptimizer",
+        "enable_inference_mode",
+    ):
         assert callable(getattr(de, name)), name
     for name in ("Embedding", "SquashedEmbedding", "HvdAllToAllEmbedding", "BasicEmbedding"):
         assert callable(getattr(de.keras.layers, name)), name
@@ -68,12 +97,15 @@ def test_import_forms_reach_one_module():
         assert callable(getattr(de.keras.callbacks, name)), name
 
 
-@pytest.mark.parametrize("module, name, fix", [
-    ("de", "HkvHashTableCreator", "use CuckooHashTableCreator"),
-    ("de", "TrainableWrapper", "var.step_buffer"),
-    ("de", "ModelMode", "lookups outside a training step never touch training state"),
-    ("layers", "FieldWiseEmbedding", "SquashedEmbedding per field"),
-])
+@pytest.mark.parametrize(
+    "module, name, fix",
+    [
+        ("de", "HkvHashTableCreator", "use CuckooHashTableCreator"),
+        ("de", "TrainableWrapper", "var.step_buffer"),
+        ("de", "ModelMode", "lookups outside a training step never touch training state"),
+        ("layers", "FieldWiseEmbedding", "SquashedEmbedding per field"),
+    ],
+)
 def test_tfra_names_tfde_lacks_say_what_to_use(module, name, fix):
     where = de if module == "de" else de.keras.layers
     with pytest.raises(AttributeError, match=f"{name} \\(TFRA\\) has no tfde counterpart: .*{fix}"):
@@ -89,10 +121,12 @@ class TwoTower(tf.keras.Model):
 
     def __init__(self, user_embedding, item_embedding):
         super().__init__()
-        self.user = tf.keras.Sequential([user_embedding, tf.keras.layers.Dense(
-            8, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=1))])
-        self.item = tf.keras.Sequential([item_embedding, tf.keras.layers.Dense(
-            8, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))])
+        self.user = tf.keras.Sequential(
+            [user_embedding, tf.keras.layers.Dense(8, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=1))]
+        )
+        self.item = tf.keras.Sequential(
+            [item_embedding, tf.keras.layers.Dense(8, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))]
+        )
 
     def call(self, features):
         return tf.reduce_sum(self.user(features["user"]) * self.item(features["item"]), axis=1)
@@ -145,27 +179,41 @@ def _assert_same_state(a, b):
 def _tfra_layer(name, key_dtype, kv_creator):
     # As the users' programs write it.
     return de.keras.layers.Embedding(
-        embedding_size=16, key_dtype=key_dtype, value_dtype=tf.float32,
-        initializer=tf.random_uniform_initializer(-0.1, 0.1), init_capacity=1000,
-        restrict_policy=de.FrequencyRestrictPolicy, name=name, kv_creator=kv_creator, devices=["CPU"],
-        with_unique=True)
+        embedding_size=16,
+        key_dtype=key_dtype,
+        value_dtype=tf.float32,
+        initializer=tf.random_uniform_initializer(-0.1, 0.1),
+        init_capacity=1000,
+        restrict_policy=de.FrequencyRestrictPolicy,
+        name=name,
+        kv_creator=kv_creator,
+        devices=["CPU"],
+        with_unique=True,
+    )
 
 
 @pytest.mark.keras
 def test_tfra_two_tower_trains_like_the_same_model_written_with_tfde():
     creator = de.CuckooHashTableCreator(saver=de.FileSystemSaver(proc_size=1, proc_rank=0))
-    shim = _train(TwoTower(_tfra_layer("user-embedding", tf.string, creator),
-                           _tfra_layer("movie-embedding", tf.int64, creator)),
-                  de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)))
+    shim = _train(
+        TwoTower(_tfra_layer("user-embedding", tf.string, creator), _tfra_layer("movie-embedding", tf.int64, creator)),
+        de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)),
+    )
 
     def tfde_layer(name, key_dtype):
         return tfde.keras.layers.Embedding(
-            16, key_dtype=key_dtype, initializer=tf.random_uniform_initializer(-0.1, 0.1),
+            16,
+            key_dtype=key_dtype,
+            initializer=tf.random_uniform_initializer(-0.1, 0.1),
             table_creator=tfde.CuckooTableCreator(expected_rows=1000),
-            restrict_policy=tfde.FrequencyRestrictPolicy, name=name)
+            restrict_policy=tfde.FrequencyRestrictPolicy,
+            name=name,
+        )
 
-    direct = _train(TwoTower(tfde_layer("user-embedding", tf.string), tfde_layer("movie-embedding", tf.int64)),
-                    tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)))
+    direct = _train(
+        TwoTower(tfde_layer("user-embedding", tf.string), tfde_layer("movie-embedding", tf.int64)),
+        tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)),
+    )
 
     layer = shim.user.layers[0]
     assert type(layer) is tfde.keras.layers.Embedding
@@ -178,8 +226,9 @@ def test_tfra_two_tower_trains_like_the_same_model_written_with_tfde():
 
 @pytest.mark.keras
 def test_tfra_layers_save_as_tfde_layers():
-    layer = de.keras.layers.SquashedEmbedding(4, key_dtype=tf.int64, combiner="mean", init_capacity=10,
-                                              restrict_policy=de.TimestampRestrictPolicy, name="bag")
+    layer = de.keras.layers.SquashedEmbedding(
+        4, key_dtype=tf.int64, combiner="mean", init_capacity=10, restrict_policy=de.TimestampRestrictPolicy, name="bag"
+    )
     assert type(layer) is tfde.keras.layers.SquashedEmbedding
     config = layer.get_config()
     assert config["table_creator"] == {"class_name": "CuckooTableCreator", "config": {"expected_rows": 10}}
@@ -196,8 +245,9 @@ def test_default_initializer_is_tfras_random_normal():
     ids = tf.constant(np.arange(2000), tf.int64)
     layer = de.keras.layers.Embedding(8, name="init-check")
     rows = layer(ids).numpy()
-    same = tfde.keras.layers.Embedding(8, initializer=tf.keras.initializers.RandomNormal(seed=layer.params.seed),
-                                       name="other-name")(ids).numpy()
+    same = tfde.keras.layers.Embedding(
+        8, initializer=tf.keras.initializers.RandomNormal(seed=layer.params.seed), name="other-name"
+    )(ids).numpy()
     np.testing.assert_array_equal(rows, same)
     assert abs(rows.std() - 0.05) < 0.003 and abs(rows.mean()) < 0.003
 
@@ -218,8 +268,9 @@ def test_hvd_all_to_all_embedding_installs_tfdes_exchange(monkeypatch):
         return OneWorker
 
     monkeypatch.setattr(horovod, "install", install)
-    layer = de.keras.layers.HvdAllToAllEmbedding(embedding_size=4, key_dtype=tf.int64, init_capacity=100,
-                                                 devices=["CPU"], name="a2a", mpi_size=1)
+    layer = de.keras.layers.HvdAllToAllEmbedding(
+        embedding_size=4, key_dtype=tf.int64, init_capacity=100, devices=["CPU"], name="a2a", mpi_size=1
+    )
     assert calls == ["install"]
     assert type(layer) is tfde.keras.layers.Embedding
     assert layer.params.table_creator == tfde.CuckooTableCreator(expected_rows=100)
@@ -249,8 +300,9 @@ def test_redis_config_from_a_tfra_file_every_way_tfra_takes_it(redis_config_file
     assert de.RedisTableConfig(redis_config_file) == by_keyword  # positional, as tfde issue #3 asked
     monkeypatch.setenv("MY_REDIS_CONFIG", redis_config_file)
     assert de.RedisTableConfig(redis_config_abs_dir_env="MY_REDIS_CONFIG") == by_keyword
-    overridden = de.RedisTableConfig(redis_config_file, redis_host_port=[6380], storage_slice=1,
-                                     redis_hash_tags_runtime=[])
+    overridden = de.RedisTableConfig(
+        redis_config_file, redis_host_port=[6380], storage_slice=1, redis_hash_tags_runtime=[]
+    )
     assert (overridden.redis_host_port, overridden.storage_slice, overridden.model_tag_runtime) == ((6380,), 1, tag)
     # TFRA lets $TFRA_REDIS_CONFIG_PATH override the path given, and says so.
     other = os.path.join(os.path.dirname(redis_config_file), "other.config")
@@ -286,11 +338,16 @@ def test_redis_config_errors(redis_config_file, monkeypatch):
 def test_redis_layers_from_a_tfra_config_train_like_cuckoo(redis_config_file, tag, monkeypatch):
     monkeypatch.delenv(de.TFRA_CONFIG_ENV, raising=False)
     redis_creator = tfra.dynamic_embedding.RedisTableCreator(
-        tfra.dynamic_embedding.RedisTableConfig(redis_config_abs_dir=redis_config_file))
+        tfra.dynamic_embedding.RedisTableConfig(redis_config_abs_dir=redis_config_file)
+    )
     assert isinstance(redis_creator, tfde.RedisTableCreator)
-    on_redis = _train(TwoTower(_tfra_layer("user-embedding", tf.string, redis_creator),
-                               _tfra_layer("movie-embedding", tf.int64, redis_creator)),
-                      de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)))
+    on_redis = _train(
+        TwoTower(
+            _tfra_layer("user-embedding", tf.string, redis_creator),
+            _tfra_layer("movie-embedding", tf.int64, redis_creator),
+        ),
+        de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)),
+    )
     layer = on_redis.user.layers[0]
     assert layer.params.table_creator is redis_creator  # init_capacity has no effect on Redis tables
     assert isinstance(layer.params.tables[0], tfde.tables.RedisTable)
@@ -298,9 +355,13 @@ def test_redis_layers_from_a_tfra_config_train_like_cuckoo(redis_config_file, ta
     assert sorted(k.decode()[-4:] for k in stored) == [":{1}", ":{2}"]  # the config's two buckets and hash tags
     assert sum(redis.Redis().hlen(k) for k in stored) == 40
 
-    on_cuckoo = _train(TwoTower(_tfra_layer("user-embedding", tf.string, de.CuckooHashTableCreator()),
-                                _tfra_layer("movie-embedding", tf.int64, de.CuckooHashTableCreator())),
-                       de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)))
+    on_cuckoo = _train(
+        TwoTower(
+            _tfra_layer("user-embedding", tf.string, de.CuckooHashTableCreator()),
+            _tfra_layer("movie-embedding", tf.int64, de.CuckooHashTableCreator()),
+        ),
+        de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)),
+    )
     a, b = _state(on_redis), _state(on_cuckoo)
     assert sorted(a) == sorted(b)
     for name in a:
@@ -329,20 +390,25 @@ def test_tfra_variable_custom_loop_trains_like_tfde():
     np.testing.assert_array_equal(var.lookup([9]), [[0.0, 0.0, 0.0]])  # TFRA's Variable default: zeros
 
     shim = train(var, lambda v, ids: de.embedding_lookup(v, ids, name="lookup", return_trainable=True), shim_opt)
-    direct = train(tfde.Variable("v", dim=3, initializer=0.0),
-                   lambda v, ids: (tfde.embedding_lookup(v, ids), v.step_buffer),
-                   tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5)))
+    direct = train(
+        tfde.Variable("v", dim=3, initializer=0.0),
+        lambda v, ids: (tfde.embedding_lookup(v, ids), v.step_buffer),
+        tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5)),
+    )
     keys = tf.constant([1, 2, 3], tf.int64)
     np.testing.assert_allclose(shim.lookup(keys), direct.lookup(keys), rtol=1e-6)
     assert int(shim.size()) == 3
 
-    other = de.Variable(key_dtype=tf.string, dim=2, name="named", initializer=1.0,
-                        kv_creator=de.CuckooHashTableCreator())
+    other = de.Variable(
+        key_dtype=tf.string, dim=2, name="named", initializer=1.0, kv_creator=de.CuckooHashTableCreator()
+    )
     assert other.name == "named" and other.key_dtype == tf.string
     np.testing.assert_array_equal(de.embedding_lookup_unique([other], tf.constant(["a", "a"])), [[1.0, 1.0]] * 2)
     sparse = tf.sparse.from_dense(tf.constant([[1, 2], [3, 0]], tf.int64))
-    np.testing.assert_allclose(de.embedding_lookup_sparse(shim, sparse, None, combiner="sum"),
-                               tfde.embedding_lookup_sparse(shim, sparse, combiner="sum"))
+    np.testing.assert_allclose(
+        de.embedding_lookup_sparse(shim, sparse, None, combiner="sum"),
+        tfde.embedding_lookup_sparse(shim, sparse, combiner="sum"),
+    )
 
 
 @pytest.mark.keras
@@ -367,20 +433,26 @@ def test_model_checkpoint_writes_tfde_checkpoints_in_the_filepaths_directory(tmp
     model_dir = tmp_path / "model_dir_0"
     callback = de.keras.callbacks.DEHvdModelCheckpoint(
         filepath=str(model_dir) + "/weights_epoch{epoch:03d}_loss{loss:.4f}",
-        options=tf.saved_model.SaveOptions(namespace_whitelist=["TFRA"]))
+        options=tf.saved_model.SaveOptions(namespace_whitelist=["TFRA"]),
+    )
     assert isinstance(callback, tfde.keras.callbacks.ModelCheckpoint)
     assert (callback.directory, callback.max_to_keep, callback.restore) == (str(model_dir), None, False)
 
     def build():
-        model = tf.keras.Sequential([de.keras.layers.Embedding(4, name="ckpt-emb"), tf.keras.layers.Flatten(),
-                                     tf.keras.layers.Dense(1, kernel_initializer="ones")])
+        model = tf.keras.Sequential(
+            [
+                de.keras.layers.Embedding(4, name="ckpt-emb"),
+                tf.keras.layers.Flatten(),
+                tf.keras.layers.Dense(1, kernel_initializer="ones"),
+            ]
+        )
         model.compile(optimizer=de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.1)), loss="mse")
         return model
 
     x, y = tf.constant([[1], [2], [3], [4]], tf.int64), tf.constant([[1.0], [0.0], [1.0], [0.0]])
     model = build()
     model.fit(x, y, batch_size=2, epochs=2, verbose=0, callbacks=[callback])
-    steps = sorted(int(p.name[len("ckpt-"):]) for p in model_dir.iterdir() if p.name.startswith("ckpt-"))
+    steps = sorted(int(p.name[len("ckpt-") :]) for p in model_dir.iterdir() if p.name.startswith("ckpt-"))
     assert steps == [2, 4]  # one per epoch, every one kept
     restored = build()
     restored.build((None, 1))
@@ -417,8 +489,11 @@ def test_devices_that_are_not_devices_are_refused():
 @pytest.mark.keras
 def test_distribute_strategy_must_be_the_one_in_scope():
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
-    with pytest.raises(tfde.ConfigError, match="distribute_strategy=OneDeviceStrategy is not the strategy in scope "
-                                               "\\(no strategy is in scope\\).*inside `with strategy.scope\\(\\):`"):
+    with pytest.raises(
+        tfde.ConfigError,
+        match="distribute_strategy=OneDeviceStrategy is not the strategy in scope "
+        "\\(no strategy is in scope\\).*inside `with strategy.scope\\(\\):`",
+    ):
         de.keras.layers.Embedding(4, distribute_strategy=strategy)
     other = tf.distribute.OneDeviceStrategy("/cpu:0")
     with other.scope():
@@ -430,8 +505,10 @@ def test_distribute_strategy_must_be_the_one_in_scope():
 
 
 def test_synchronous_false_is_refused():
-    with pytest.raises(tfde.ConfigError, match="synchronous=False is not supported: tfde always averages dense "
-                                               "gradients over Horovod workers"):
+    with pytest.raises(
+        tfde.ConfigError,
+        match="synchronous=False is not supported: tfde always averages dense gradients over Horovod workers",
+    ):
         de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(), synchronous=False)
     with pytest.raises(tfde.ConfigError, match="bp_v2=True is not supported"):
         de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(), bp_v2=True)
@@ -440,17 +517,22 @@ def test_synchronous_false_is_refused():
 
 
 @pytest.mark.keras
-@pytest.mark.parametrize("kwargs, message", [
-    ({"bp_v2": True}, "bp_v2=True is not supported: tfde's training steps are synchronous"),
-    ({"partitioner": lambda keys, n: keys % n}, "partitioner=.* is not supported: tfde routes keys"),
-    ({"max_norm": 1.0}, "max_norm=1.0 is not supported: tfde does not clip"),
-    ({"checkpoint": False}, "checkpoint=False is not supported: tfde always saves"),
-    ({"init_capacity": -1}, "init_capacity must be an int >= 0"),
-    ({"kv_creator": "redis"}, "kv_creator must be de.CuckooHashTableCreator"),
-    ({"kv_creator": tfde.CuckooTableCreator(expected_rows=5), "init_capacity": 7},
-     "init_capacity=7 and the kv_creator's expected_rows=5 disagree"),
-    ({"warm_start": True}, r"got keyword argument\(s\) \['warm_start'\] that tfde does not take; accepted: "),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bp_v2": True}, "bp_v2=True is not supported: tfde's training steps are synchronous"),
+        ({"partitioner": lambda keys, n: keys % n}, "partitioner=.* is not supported: tfde routes keys"),
+        ({"max_norm": 1.0}, "max_norm=1.0 is not supported: tfde does not clip"),
+        ({"checkpoint": False}, "checkpoint=False is not supported: tfde always saves"),
+        ({"init_capacity": -1}, "init_capacity must be an int >= 0"),
+        ({"kv_creator": "redis"}, "kv_creator must be de.CuckooHashTableCreator"),
+        (
+            {"kv_creator": tfde.CuckooTableCreator(expected_rows=5), "init_capacity": 7},
+            "init_capacity=7 and the kv_creator's expected_rows=5 disagree",
+        ),
+        ({"warm_start": True}, r"got keyword argument\(s\) \['warm_start'\] that tfde does not take; accepted: "),
+    ],
+)
 def test_unsupported_layer_options_are_refused(kwargs, message):
     with pytest.raises(tfde.ConfigError, match=message):
         de.keras.layers.Embedding(4, **kwargs)
@@ -490,9 +572,12 @@ def test_checkpoint_callback_refusals(tmp_path):
 @pytest.mark.parametrize("layer", ["Embedding", "SquashedEmbedding"])
 def test_tfdes_own_layers_name_the_fix_for_tfra_kwargs(layer):
     cls = getattr(tfde.keras.layers, layer)
-    with pytest.raises(tfde.ConfigError, match=f"tfde layer {layer} got TFRA keyword argument\\(s\\) "
-                                               r"\['kv_creator', 'init_capacity'\].*kv_creator: tfde spells it "
-                                               r"table_creator=.*expected_rows=N.*tfde.compat.tfra"):
+    with pytest.raises(
+        tfde.ConfigError,
+        match=f"tfde layer {layer} got TFRA keyword argument\\(s\\) "
+        r"\['kv_creator', 'init_capacity'\].*kv_creator: tfde spells it "
+        r"table_creator=.*expected_rows=N.*tfde.compat.tfra",
+    ):
         cls(4, kv_creator=tfde.CuckooTableCreator(), init_capacity=10)
     for name in ("devices", "distribute_strategy", "with_unique"):
         with pytest.raises(tfde.ConfigError, match=f"\\['{name}'\\].*drop {name}="):

@@ -1,4 +1,4 @@
-"""The demo (README's main command): data, model, CLI."""
+"""The demo (the README's first command; docs/demo.md): data, model, CLI."""
 
 import csv
 import re
@@ -33,8 +33,9 @@ def test_small_run_beats_most_popular():
 
 def test_movielens_csv(tmp_path):
     path = tmp_path / "ratings.csv"
-    rows = ["userId,movieId,rating,timestamp"] + [f"{u},{m},4.0,964982703" for u in range(40) for m in
-                                                   range(u % 7, 60, 7)]
+    rows = ["userId,movieId,rating,timestamp"] + [
+        f"{u},{m},4.0,964982703" for u in range(40) for m in range(u % 7, 60, 7)
+    ]
     path.write_text("\n".join(rows) + "\n")
     data = demo_data.movielens_csv(str(path))
     assert data.num_train + len(data.test_items) == len(rows) - 1
@@ -62,8 +63,23 @@ def test_cli_train_on_a_csv(tmp_path, capsys):
         for m in rng.choice(np.arange(taste, 400, 5), 20, replace=False):
             lines.append(f"{u},{m},5,0")
     path.write_text("\n".join(lines) + "\n")
-    code = cli.main(["train", "--data", str(path), "--epochs", "4", "--batch-size", "128", "--dim", "16",
-                     "--k", "20", "--learning-rate", "0.05"])
+    code = cli.main(
+        [
+            "train",
+            "--data",
+            str(path),
+            "--epochs",
+            "4",
+            "--batch-size",
+            "128",
+            "--dim",
+            "16",
+            "--k",
+            "20",
+            "--learning-rate",
+            "0.05",
+        ]
+    )
     out = capsys.readouterr().out
     assert "held-out recall@20" in out and "examples/s" in out
     assert code == 0, out
@@ -80,18 +96,27 @@ def test_policies_and_admission_in_the_demo():
 
 
 def test_movielens_csv_writer_round_trips_through_the_reader(tmp_path):
-    ratings_path, movies_path = demo_data.write_movielens_csv(tmp_path / "ml", num_ratings=3_000, num_users=200,
-                                                              num_movies=150, seed=4)
+    ratings_path, movies_path = demo_data.write_movielens_csv(
+        tmp_path / "ml", num_ratings=3_000, num_users=200, num_movies=150, seed=4
+    )
     source = demo_data.synthetic(3_000, 200, 150, seed=4)
     read = demo_data.movielens_csv(ratings_path)
 
     # The same interactions: user_{i} is userId i + 1, the j-th catalogue item movieId j + 1.
     movie_id = {item: j + 1 for j, item in enumerate(source.all_items.tolist())}
-    expected = sorted((f"user_{int(u[len('user_'):]) + 1}", movie_id[i]) for u, i in
-                      zip(np.concatenate([source.train_users, source.test_users]).tolist(),
-                          np.concatenate([source.train_items, source.test_items]).tolist()))
-    got = sorted(zip(np.concatenate([read.train_users, read.test_users]).tolist(),
-                     np.concatenate([read.train_items, read.test_items]).tolist()))
+    expected = sorted(
+        (f"user_{int(u[len('user_') :]) + 1}", movie_id[i])
+        for u, i in zip(
+            np.concatenate([source.train_users, source.test_users]).tolist(),
+            np.concatenate([source.train_items, source.test_items]).tolist(),
+        )
+    )
+    got = sorted(
+        zip(
+            np.concatenate([read.train_users, read.test_users]).tolist(),
+            np.concatenate([read.train_items, read.test_items]).tolist(),
+        )
+    )
     assert got == expected
 
     with open(ratings_path, newline="") as f:

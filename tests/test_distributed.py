@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-
 from distributed_check import JobFailed, check_equal, check_sharded, redis_tag, run_job
 
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
@@ -22,11 +21,13 @@ def tag():
 
 
 # model.fit under MultiWorkerMirroredStrategy works with tf-keras only (Keras
-# 3.15 fails inside Keras even for a plain Dense model, see the README); the
+# 3.15 fails inside Keras even for a plain Dense model, see docs/distributed.md); the
 # custom loop works with both.
-CASES = ([("fit", opt, layout) for opt in ("sgd", "adam") for layout in ("cuckoo", "redis")]
-         + [("loop", "adam", "cuckoo")]) if LEGACY else \
-        [("loop", opt, layout) for opt in ("sgd", "adam") for layout in ("cuckoo", "redis")]
+CASES = (
+    ([("fit", opt, layout) for opt in ("sgd", "adam") for layout in ("cuckoo", "redis")] + [("loop", "adam", "cuckoo")])
+    if LEGACY
+    else [("loop", opt, layout) for opt in ("sgd", "adam") for layout in ("cuckoo", "redis")]
+)
 
 
 @pytest.mark.keras
@@ -35,8 +36,9 @@ def test_two_workers_equal_one_worker_on_the_combined_batch(tmp_path, tag, engin
     one = run_job(tmp_path, 1, engine, optimizer, layout, tag)
     two = run_job(tmp_path, 2, engine, optimizer, layout, tag)
     check_equal(one, two)
-    expected = {"user_emb", "item_emb"} | ({"user_emb/m", "user_emb/v", "item_emb/m", "item_emb/v"}
-                                           if optimizer == "adam" else set())
+    expected = {"user_emb", "item_emb"} | (
+        {"user_emb/m", "user_emb/v", "item_emb/m", "item_emb/v"} if optimizer == "adam" else set()
+    )
     assert set(one[0]) == expected
     if layout == "cuckoo":
         check_sharded(tmp_path, 2)
@@ -48,8 +50,15 @@ def test_a_killed_worker_makes_the_others_fail_not_hang(tmp_path, tag):
     timeout set in the job (20 s) rather than wait forever."""
     start = time.monotonic()
     with pytest.raises(JobFailed) as failed:
-        run_job(tmp_path, 2, "loop", "sgd", "cuckoo", tag,
-                extra={"repeat": 50, "die_worker": 1, "die_after_step": 3, "timeout_s": 20})
+        run_job(
+            tmp_path,
+            2,
+            "loop",
+            "sgd",
+            "cuckoo",
+            tag,
+            extra={"repeat": 50, "die_worker": 1, "die_after_step": 3, "timeout_s": 20},
+        )
     elapsed = time.monotonic() - start
     out = failed.value.output
     assert str(failed.value).startswith("worker 0 of 2 failed"), str(failed.value)[:300]
@@ -57,8 +66,11 @@ def test_a_killed_worker_makes_the_others_fail_not_hang(tmp_path, tag):
     assert re.search(r"unhealthy|crashed|Unavailable|DeadlineExceeded", out), out[-3000:]
 
 
-RESTRICT_CASES = [("fit", "adam", "cuckoo", "counter"), ("fit", "sgd", "redis", "probability")] if LEGACY else \
-    [("loop", "sgd", "cuckoo", "probability"), ("loop", "adam", "redis", "counter")]
+RESTRICT_CASES = (
+    [("fit", "adam", "cuckoo", "counter"), ("fit", "sgd", "redis", "probability")]
+    if LEGACY
+    else [("loop", "sgd", "cuckoo", "probability"), ("loop", "adam", "redis", "counter")]
+)
 
 
 @pytest.mark.keras
@@ -94,10 +106,13 @@ def test_mirrored_strategy_on_one_cpu_trains_like_no_strategy():
 
     def train(strategy):
         with strategy.scope():
-            model = tf.keras.Sequential([
-                tf.keras.Input(shape=(), dtype=tf.int64),
-                tfde.keras.layers.Embedding(4, key_dtype=tf.int64, initializer=0.1, name="emb"),
-                tf.keras.layers.Dense(1, kernel_initializer="ones")])
+            model = tf.keras.Sequential(
+                [
+                    tf.keras.Input(shape=(), dtype=tf.int64),
+                    tfde.keras.layers.Embedding(4, key_dtype=tf.int64, initializer=0.1, name="emb"),
+                    tf.keras.layers.Dense(1, kernel_initializer="ones"),
+                ]
+            )
             model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
         model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2, verbose=0)
         var = model.layers[0].params
@@ -110,8 +125,11 @@ def test_mirrored_strategy_on_one_cpu_trains_like_no_strategy():
     np.testing.assert_allclose(rows, expected_rows, rtol=1e-6, atol=1e-7)
 
 
-RESHARD_CASES = [("fit", "adam", "cuckoo"), ("fit", "sgd", "redis")] if LEGACY else \
-    [("loop", "adam", "cuckoo"), ("loop", "sgd", "redis")]
+RESHARD_CASES = (
+    [("fit", "adam", "cuckoo"), ("fit", "sgd", "redis")]
+    if LEGACY
+    else [("loop", "adam", "cuckoo"), ("loop", "sgd", "redis")]
+)
 
 
 @pytest.mark.keras
@@ -121,12 +139,20 @@ def test_a_checkpoint_of_n_workers_restores_into_m(tmp_path, tag, engine, optimi
     worker writes its own files); then 1 -> 1 (the reference), 2 -> 1 and
     1 -> 2 workers restore and train on: the same rows, slots and dense
     weights, so every key reached its new owner with its optimizer state."""
+
     def job(workers, name, **extra):
         # Redis: table_store_mode 0, rows in the checkpoints (mode 2 keeps
         # Redis as the source of truth, with nothing to restore).
         redis_config = {"model_tag_runtime": f"{tag}-{workers}", "table_store_mode": 0}
-        return run_job(tmp_path, workers, engine, optimizer, layout, tag,
-                       extra={"out": str(tmp_path / name), "redis": redis_config, **extra})
+        return run_job(
+            tmp_path,
+            workers,
+            engine,
+            optimizer,
+            layout,
+            tag,
+            extra={"out": str(tmp_path / name), "redis": redis_config, **extra},
+        )
 
     job(1, "first1", save_dir=str(tmp_path / "ck1"))
     job(2, "first2", save_dir=str(tmp_path / "ck2"))
@@ -177,8 +203,9 @@ def test_a_read_in_a_tf_data_function_that_one_worker_runs_more_often_fails(tmp_
     engine = "fit" if LEGACY else "loop"
     with pytest.raises(JobFailed) as failed:
         run_job(tmp_path, 2, engine, "sgd", "cuckoo", tag, extra={"tfdata_read": "unequal", "timeout_s": 20})
-    assert re.search(r"[Tt]imeout|timed out|DeadlineExceeded|Collective ops is aborted", failed.value.output), \
+    assert re.search(r"[Tt]imeout|timed out|DeadlineExceeded|Collective ops is aborted", failed.value.output), (
         failed.value.output[-3000:]
+    )
 
 
 def test_an_eager_read_outside_strategy_run_sees_every_workers_keys(tmp_path, tag):
@@ -194,6 +221,7 @@ def test_an_eager_read_outside_strategy_run_sees_every_workers_keys(tmp_path, ta
 
 
 if LEGACY:  # tfrs needs tf-keras: defined in the tf-keras run of scripts/test.sh only
+
     @pytest.mark.keras
     def test_a_tfrs_model_trains_two_workers_like_one(tmp_path, tag):
         """tfrs.Model.train_step (tape.gradient, then apply_gradients) under

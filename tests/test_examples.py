@@ -23,15 +23,15 @@ import time
 from pathlib import Path
 
 import pytest
-
 from distributed_check import redis_tag
+
 from tfde.demo.data import write_movielens_csv
 from tfde.distributed.launch import free_ports, tf_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT_S = 240
-TRAIN, BATCH = 2_700, 128   # 3,000 ratings less the 10% the examples hold out; the batch the tests use
-MAX_ROWS = 200              # below the 300 users and 300 movies, so the restrict policy has work to do
+TRAIN, BATCH = 2_700, 128  # 3,000 ratings less the 10% the examples hold out; the batch the tests use
+MAX_ROWS = 200  # below the 300 users and 300 movies, so the restrict policy has work to do
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,10 @@ def run_all(commands, envs):
     """Runs the commands side by side; returns their outputs once all exit 0.
     When one fails (or the time runs out) the others are stopped and the
     failure is reported with the outputs."""
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
-                              cwd=EXAMPLES.parent) for c, e in zip(commands, envs)]
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, cwd=EXAMPLES.parent)
+        for c, e in zip(commands, envs)
+    ]
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while any(p.poll() is None for p in procs):
@@ -63,8 +65,9 @@ def run_all(commands, envs):
             if p.poll() is None:
                 p.kill()
         outputs = [p.communicate()[0] for p in procs]
-    report = "\n".join(f"--- process {i} (exit {p.returncode}) ---\n{out[-5000:]}"
-                       for i, (p, out) in enumerate(zip(procs, outputs)))
+    report = "\n".join(
+        f"--- process {i} (exit {p.returncode}) ---\n{out[-5000:]}" for i, (p, out) in enumerate(zip(procs, outputs))
+    )
     assert all(p.returncode == 0 for p in procs), report
     return outputs
 
@@ -92,16 +95,29 @@ def test_mwms_example_two_workers_redis(data):
     to MAX_ROWS; both print the same (global) validation metric."""
     ports = free_ports(2)
     with redis_tag() as tag:
-        command = [sys.executable, str(EXAMPLES / "mwms_two_tower.py"), data, "--epochs", "1",
-                   "--batch-size", str(BATCH), "--max-rows", str(MAX_ROWS)]
-        outputs = run_all([command, command], [env(TF_CONFIG=tf_config(ports, i), REDIS_MODEL_TAG=tag)
-                                              for i in range(2)])
+        command = [
+            sys.executable,
+            str(EXAMPLES / "mwms_two_tower.py"),
+            data,
+            "--epochs",
+            "1",
+            "--batch-size",
+            str(BATCH),
+            "--max-rows",
+            str(MAX_ROWS),
+        ]
+        outputs = run_all(
+            [command, command], [env(TF_CONFIG=tf_config(ports, i), REDIS_MODEL_TAG=tag) for i in range(2)]
+        )
         import redis
 
         client = redis.Redis(port=6379)
-        # The rows are in Redis: storage_slice 2 hashes per table, {tag}:{table}:{0} and :{1} (README, "Layout").
-        in_redis = {name: sum(client.hlen(f"{tag}:{name}/shard_0_of_1:{{{b}}}") for b in (0, 1))
-                    for name in ("user-embedding", "movie-embedding")}
+        # The rows are in Redis: storage_slice 2 hashes per table, {tag}:{table}:{0}
+        # and :{1} (docs/formats.md, "Redis: the key/value layout").
+        in_redis = {
+            name: sum(client.hlen(f"{tag}:{name}/shard_0_of_1:{{{b}}}") for b in (0, 1))
+            for name in ("user-embedding", "movie-embedding")
+        }
     for i, out in enumerate(outputs):
         assert f"[worker {i}/2]" in out, out[-3000:]
         assert int(printed(out, r"optimizer steps: (\d+)")) == TRAIN // BATCH  # drop_remainder batches
@@ -118,8 +134,22 @@ def test_mwms_example_two_workers_redis(data):
 def test_tfra_example_one_process(data):
     """The TFRA-style program, through tfde.compat.tfra: trains two epochs,
     restricts with Variable.restrict after each, evaluates."""
-    out, = run_all([[sys.executable, str(EXAMPLES / "tfra_two_tower.py"), data, "--epochs", "2",
-                     "--batch-size", str(BATCH), "--max-rows", str(MAX_ROWS)]], [env()])
+    (out,) = run_all(
+        [
+            [
+                sys.executable,
+                str(EXAMPLES / "tfra_two_tower.py"),
+                data,
+                "--epochs",
+                "2",
+                "--batch-size",
+                str(BATCH),
+                "--max-rows",
+                str(MAX_ROWS),
+            ]
+        ],
+        [env()],
+    )
     top_k(out)
     assert int(printed(out, r"optimizer steps: (\d+)")) == 2 * -(-TRAIN // BATCH)  # last batch partial
     sizes = rows_stored(out)

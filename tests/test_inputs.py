@@ -11,9 +11,9 @@ import textwrap
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import LEGACY_KERAS
 
 import tfde
-from conftest import LEGACY_KERAS
 
 ROW = [[1.0, 2.0]]
 
@@ -31,19 +31,32 @@ def assert_only_key_5(v):
 
 # ------------------------------------------------------------ point 2: ids outside the key dtype
 
-OUT_OF_INT32 = [[2 ** 40 + 5], np.array([2 ** 32 + 5]), 2 ** 31, [-2 ** 31 - 1],
-                np.array([2 ** 32 + 5], np.uint64), [[1, 2], [3, 2 ** 33 + 5]]]
+OUT_OF_INT32 = [
+    [2**40 + 5],
+    np.array([2**32 + 5]),
+    2**31,
+    [-(2**31) - 1],
+    np.array([2**32 + 5], np.uint64),
+    [[1, 2], [3, 2**33 + 5]],
+]
 
 
 @pytest.mark.parametrize("ids", OUT_OF_INT32, ids=lambda x: repr(x)[:24])
 def test_int32_variable_refuses_ids_outside_int32_and_changes_nothing(ids):
     v = int32_variable("wrap32")
-    with pytest.raises(tfde.ShapeError, match=r"outside the range of its key dtype int32, \[-2147483648, "
-                                              r"2147483647\].*key_dtype=tf.int64"):
+    with pytest.raises(
+        tfde.ShapeError,
+        match=r"outside the range of its key dtype int32, \[-2147483648, "
+        r"2147483647\].*key_dtype=tf.int64",
+    ):
         v.lookup(ids)
     rows = np.full(np.shape(ids) + (2,), 9.0)
-    for write in (lambda: v.upsert(ids, rows), lambda: v.accum(ids, rows), lambda: v.remove(ids),
-                  lambda: tfde.embedding_lookup(v, ids)):
+    for write in (
+        lambda: v.upsert(ids, rows),
+        lambda: v.accum(ids, rows),
+        lambda: v.remove(ids),
+        lambda: tfde.embedding_lookup(v, ids),
+    ):
         with pytest.raises(tfde.ShapeError, match="outside the range"):
             write()
     assert_only_key_5(v)
@@ -55,9 +68,10 @@ def test_out_of_range_ids_are_refused_inside_tf_function_too():
     # With autograph (the default, and model.fit's) too: tfde errors pass
     # through it as themselves, not as a StagingError.
     for autograph in (False, True):
+
         @tf.function(autograph=autograph)
         def write():
-            v.upsert(np.array([2 ** 32 + 5]), [[7.0, 7.0]])
+            v.upsert(np.array([2**32 + 5]), [[7.0, 7.0]])
 
         with pytest.raises(tfde.ShapeError, match="key 4294967301 .* outside the range"):
             write()
@@ -66,7 +80,7 @@ def test_out_of_range_ids_are_refused_inside_tf_function_too():
 
 def test_int64_variable_refuses_ids_beyond_int64():
     v = tfde.Variable("wrap64", dim=2, initializer=0.0)
-    for ids in ([2 ** 63], np.array([2 ** 63], np.uint64), [-2 ** 63 - 1], [2 ** 64 + 1]):
+    for ids in ([2**63], np.array([2**63], np.uint64), [-(2**63) - 1], [2**64 + 1]):
         with pytest.raises(tfde.ShapeError, match="outside the range of its key dtype int64"):
             v.upsert(ids, [[1.0, 1.0]])
     assert int(v.size()) == 0
@@ -74,18 +88,17 @@ def test_int64_variable_refuses_ids_beyond_int64():
 
 def test_in_range_python_and_numpy_ids_keep_working():
     v = int32_variable("in_range")
-    v.upsert(np.array([2 ** 31 - 1, -2 ** 31], np.int64), [[3.0, 3.0], [4.0, 4.0]])
-    assert v.lookup([2 ** 31 - 1]).numpy().tolist() == [[3.0, 3.0]]
-    assert v.lookup(np.array([[-2 ** 31]], np.int64)).numpy().tolist() == [[[4.0, 4.0]]]
+    v.upsert(np.array([2**31 - 1, -(2**31)], np.int64), [[3.0, 3.0], [4.0, 4.0]])
+    assert v.lookup([2**31 - 1]).numpy().tolist() == [[3.0, 3.0]]
+    assert v.lookup(np.array([[-(2**31)]], np.int64)).numpy().tolist() == [[[4.0, 4.0]]]
     assert v.lookup(np.uint16(5)).numpy().tolist() == ROW[0]
     assert v.lookup([]).shape == (0, 2)
     w = tfde.Variable("in_range64", dim=1, initializer=0.0)
-    w.upsert(np.array([2 ** 63 - 1], np.uint64), [[1.0]])
-    assert w.lookup([2 ** 63 - 1]).numpy().tolist() == [[1.0]]
+    w.upsert(np.array([2**63 - 1], np.uint64), [[1.0]])
+    assert w.lookup([2**63 - 1]).numpy().tolist() == [[1.0]]
 
 
-@pytest.mark.parametrize("ids", [[1.7], np.array([1.0]), np.array([np.nan]), [1, 2.5]],
-                         ids=lambda x: repr(x)[:24])
+@pytest.mark.parametrize("ids", [[1.7], np.array([1.0]), np.array([np.nan]), [1, 2.5]], ids=lambda x: repr(x)[:24])
 def test_float_ids_are_refused_by_variable_methods(ids):
     v = int32_variable("floats")
     with pytest.raises(tfde.ShapeError, match=r"must be integers \(int32\), got the float .*astype\(np.int32\)"):
@@ -106,9 +119,12 @@ def test_bools_and_strings_are_not_int_ids():
 
 def test_tensors_of_a_wider_or_float_dtype_are_refused_statically():
     v = int32_variable("tensors")
-    with pytest.raises(tfde.ShapeError, match=r"are int64, expected int32; tf.cast\(keys, int32\) is safe only "
-                                              r"for ids in \[-2147483648, 2147483647\]"):
-        v.upsert(tf.constant([2 ** 32 + 5], tf.int64), [[7.0, 7.0]])
+    with pytest.raises(
+        tfde.ShapeError,
+        match=r"are int64, expected int32; tf.cast\(keys, int32\) is safe only "
+        r"for ids in \[-2147483648, 2147483647\]",
+    ):
+        v.upsert(tf.constant([2**32 + 5], tf.int64), [[7.0, 7.0]])
     with pytest.raises(tfde.ShapeError, match="are float32, expected int32; ids must be integers"):
         v.lookup(tf.constant([1.7]))
     assert_only_key_5(v)
@@ -126,9 +142,18 @@ def int32_layer(name):
 
 
 @pytest_keras
-@pytest.mark.parametrize("ids", [np.array([2 ** 32 + 1]), tf.constant([2 ** 32 + 1], tf.int64),
-                                 np.array([1.7]), tf.constant([1.7]), tf.constant([1.5], tf.float64),
-                                 tf.constant([np.inf])], ids=lambda x: repr(x)[:30])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        np.array([2**32 + 1]),
+        tf.constant([2**32 + 1], tf.int64),
+        np.array([1.7]),
+        tf.constant([1.7]),
+        tf.constant([1.5], tf.float64),
+        tf.constant([np.inf]),
+    ],
+    ids=lambda x: repr(x)[:30],
+)
 def test_keras_layer_refuses_ids_that_would_wrap_or_truncate_eagerly(ids):
     layer = int32_layer("emb_eager")
     with pytest.raises(tfde.ShapeError, match="'emb_eager'"):
@@ -138,28 +163,35 @@ def test_keras_layer_refuses_ids_that_would_wrap_or_truncate_eagerly(ids):
 @pytest_keras
 def test_keras_layer_casts_whole_ids_of_other_dtypes_exactly():
     layer = int32_layer("emb_cast")
-    for ids in (np.array([1.0]), tf.constant([1], tf.int64), tf.constant([1.0], tf.float16),
-                tf.constant([1], tf.uint8)):
+    for ids in (
+        np.array([1.0]),
+        tf.constant([1], tf.int64),
+        tf.constant([1.0], tf.float16),
+        tf.constant([1], tf.uint8),
+    ):
         assert layer(ids).numpy().tolist() == ROW
     sparse = tf.sparse.from_dense(tf.constant([[1, 0]], tf.int64))
     assert layer(sparse).numpy().tolist() == ROW
-    bad = tf.SparseTensor([[0, 0]], tf.constant([2 ** 32 + 1], tf.int64), [1, 1])
+    bad = tf.SparseTensor([[0, 0]], tf.constant([2**32 + 1], tf.int64), [1, 1])
     with pytest.raises(tfde.ShapeError, match="outside the range"):
         layer(bad)
     with pytest.raises(tfde.ShapeError, match="outside the range"):
-        layer(tf.ragged.constant([[2 ** 32 + 1]], tf.int64))
+        layer(tf.ragged.constant([[2**32 + 1]], tf.int64))
 
 
 @pytest_keras
-@pytest.mark.parametrize("dtype,value", [("int64", 2 ** 32 + 1), ("float32", 1.7), ("float32", float("nan"))])
+@pytest.mark.parametrize("dtype,value", [("int64", 2**32 + 1), ("float32", 1.7), ("float32", float("nan"))])
 def test_keras_fit_refuses_ids_that_would_wrap_and_changes_nothing(dtype, value):
     layer = int32_layer("emb_fit")
     inp = tf.keras.Input(shape=(1,), dtype=dtype)
     model = tf.keras.Model(inp, tf.keras.layers.Dense(1)(tf.keras.layers.Flatten()(layer(inp))))
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(1.0)), loss="mse")
     x = np.array([[1], [value]], dtype)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"ids for table emb_fit .* must be whole numbers "
-                                                             r"in the range of its key dtype int32"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"ids for table emb_fit .* must be whole numbers "
+        r"in the range of its key dtype int32",
+    ):
         model.fit(x, np.ones([2, 1]), batch_size=2, epochs=1, verbose=0)
     with pytest.raises(tf.errors.InvalidArgumentError, match="ids for table emb_fit"):
         model.predict(x, verbose=0)
@@ -171,6 +203,7 @@ def test_keras_fit_refuses_ids_that_would_wrap_and_changes_nothing(dtype, value)
 
 
 # ------------------------------------------------------------ point 16: rows, numpy integers
+
 
 def test_a_scalar_for_rows_is_refused_not_broadcast():
     v = int32_variable("scalar_rows")
@@ -185,8 +218,10 @@ def test_a_scalar_for_rows_is_refused_not_broadcast():
 def test_rows_of_unknown_shape_are_checked_when_the_graph_runs(num_shards):
     v = tfde.Variable(f"unknown_rows_{num_shards}", dim=2, num_shards=num_shards, initializer=0.0)
     v.upsert([5], ROW)
-    upsert = tf.function(lambda k, r: [v.upsert(k, r), None][1],
-                         input_signature=[tf.TensorSpec(None, tf.int64), tf.TensorSpec(None, tf.float32)])
+    upsert = tf.function(
+        lambda k, r: [v.upsert(k, r), None][1],
+        input_signature=[tf.TensorSpec(None, tf.int64), tf.TensorSpec(None, tf.float32)],
+    )
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"must have shape keys.shape \+ \[2\]"):
         upsert(tf.zeros([0], tf.int64), tf.zeros([0, 3]))  # no keys, rows of width 3
     with pytest.raises(tf.errors.InvalidArgumentError, match="the number of keys and rows differ"):
@@ -195,8 +230,13 @@ def test_rows_of_unknown_shape_are_checked_when_the_graph_runs(num_shards):
 
 
 def test_numpy_integers_are_ints_and_bools_are_not():
-    v = tfde.Variable("np_ints", dim=np.int64(4), num_shards=np.int32(2), initializer=0.0,
-                      table_creator=tfde.CuckooTableCreator(expected_rows=np.int64(100)))
+    v = tfde.Variable(
+        "np_ints",
+        dim=np.int64(4),
+        num_shards=np.int32(2),
+        initializer=0.0,
+        table_creator=tfde.CuckooTableCreator(expected_rows=np.int64(100)),
+    )
     assert type(v.dim) is int and v.dim == 4 and type(v.num_shards) is int and v.num_shards == 2
     v.upsert([1], [[1.0] * 4])
     assert v.lookup([1]).numpy().tolist() == [[1.0] * 4]
@@ -220,14 +260,18 @@ def test_keras_layer_takes_a_numpy_embedding_size_and_serializes_it():
 
 # ------------------------------------------------------------ point 13: capacity
 
+
 def test_expected_rows_beyond_this_machine_is_a_capacity_error_naming_the_bytes():
-    creator = tfde.CuckooTableCreator(expected_rows=2 ** 36)
-    with pytest.raises(tfde.CapacityError, match=r"expected_rows=68719476736 .* needs \d+ bytes \(.* GiB\) "
-                                                 r"allocated up front, but this machine has \d+ bytes") as info:
+    creator = tfde.CuckooTableCreator(expected_rows=2**36)
+    with pytest.raises(
+        tfde.CapacityError,
+        match=r"expected_rows=68719476736 .* needs \d+ bytes \(.* GiB\) "
+        r"allocated up front, but this machine has \d+ bytes",
+    ) as info:
         tfde.Variable("huge", dim=4, table_creator=creator)
     assert isinstance(info.value, tf.errors.ResourceExhaustedError)
     with pytest.raises(tfde.CapacityError, match="more than one cuckoo table can hold"):
-        tfde.Variable("huger", dim=4, table_creator=tfde.CuckooTableCreator(expected_rows=2 ** 40))
+        tfde.Variable("huger", dim=4, table_creator=tfde.CuckooTableCreator(expected_rows=2**40))
 
 
 def test_presized_bytes_matches_what_the_native_table_allocates():
@@ -277,12 +321,19 @@ def test_a_table_out_of_memory_raises_capacity_error(mode, tmp_path):
     # tfde.CapacityError, not as InvalidArgument.
     script = tmp_path / "oom.py"
     script.write_text(OUT_OF_MEMORY)
-    out = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    line = next((l for l in out.stdout.splitlines() if l.startswith(("RAISED", "NO ERROR"))), out.stderr[-2000:])
+    out = subprocess.run(
+        [sys.executable, str(script), mode],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith(("RAISED", "NO ERROR"))), out.stderr[-2000:])
     if mode == "eager":
-        assert line.startswith("RAISED CapacityError True True False | cuckoo table 'mem' (string -> float32[1]) "
-                               "cannot take more rows: insert: out of memory"), line
+        assert line.startswith(
+            "RAISED CapacityError True True False | cuckoo table 'mem' (string -> float32[1]) "
+            "cannot take more rows: insert: out of memory"
+        ), line
     else:
         assert line.startswith("RAISED ResourceExhaustedError False True True"), line
 
@@ -308,8 +359,9 @@ def saved_by_the_other_keras(tmp_path):
     script.write_text(SAVE_MODEL)
     path = tmp_path / "other.keras"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="0" if LEGACY_KERAS else "1")
-    done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=300,
-                          env=env)
+    done = subprocess.run(
+        [sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return path
 
@@ -319,14 +371,16 @@ def test_a_keras_file_of_the_other_keras_is_named_by_load_model(tmp_path):
     path = saved_by_the_other_keras(tmp_path)
     other, this = ("Keras 3", "tf-keras") if LEGACY_KERAS else ("tf-keras", "Keras 3")
     fix = "run without TF_USE_LEGACY_KERAS=1" if LEGACY_KERAS else "set TF_USE_LEGACY_KERAS=1"
-    with pytest.raises(tfde.CheckpointError, match=f"other.keras was saved by {other}.*this process runs {this}.*"
-                                                   f"{fix}"):
+    with pytest.raises(
+        tfde.CheckpointError, match=f"other.keras was saved by {other}.*this process runs {this}.*{fix}"
+    ):
         tfde.keras.load_model(path)
     if not LEGACY_KERAS:
         # Keras 3 gets as far as the compile config: tfde's optimizer class
         # reads it and names tf-keras (Keras said "Argument(s) not recognized").
-        with pytest.raises(tfde.ConfigError, match="written by tf-keras .*is_legacy_optimizer.*set "
-                                                   "TF_USE_LEGACY_KERAS=1"):
+        with pytest.raises(
+            tfde.ConfigError, match="written by tf-keras .*is_legacy_optimizer.*set TF_USE_LEGACY_KERAS=1"
+        ):
             tf.keras.models.load_model(path)
 
 
@@ -335,8 +389,13 @@ def test_load_model_of_this_keras_still_loads(tmp_path):
     script = tmp_path / "save.py"
     script.write_text(SAVE_MODEL)
     path = tmp_path / "same.keras"
-    done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    done = subprocess.run(
+        [sys.executable, str(script), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     model = tfde.keras.load_model(path)
     assert isinstance(model.layers[0], tfde.keras.layers.Embedding) and int(model.layers[0].params.size()) == 4

@@ -17,18 +17,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _python(code, tmp_path, extra_path=()):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, extra_path), str(ROOT)])}
-    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_import_without_tensorflow_names_the_install_command(tmp_path):
-    blocker = ("import sys\n"
-               "class NoTF:\n"
-               "    def find_spec(self, name, path=None, target=None):\n"
-               "        if name == 'tensorflow' or name.startswith('tensorflow.'):\n"
-               "            raise ModuleNotFoundError(\"No module named 'tensorflow'\")\n"
-               "sys.meta_path.insert(0, NoTF())\n"
-               "import tfde\n")
+    blocker = (
+        "import sys\n"
+        "class NoTF:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'tensorflow' or name.startswith('tensorflow.'):\n"
+        "            raise ModuleNotFoundError(\"No module named 'tensorflow'\")\n"
+        "sys.meta_path.insert(0, NoTF())\n"
+        "import tfde\n"
+    )
     out = _python(blocker, tmp_path)
     assert out.returncode != 0
     assert "ImportError: tfde needs TensorFlow >= 2.16, which cannot be imported" in out.stderr, out.stderr[-2000:]
@@ -66,12 +69,21 @@ def test_an_old_tensorflow_is_refused_with_the_upgrade():
 
 def test_the_command_answers_help_without_importing_tensorflow(tmp_path):
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", "import sys, tfde_cli\n"
-                                                "try:\n    tfde_cli.main(['--help'])\n"
-                                                "except SystemExit:\n    pass\n"
-                                                "assert 'tensorflow' not in sys.modules, 'TensorFlow imported'\n"],
-                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, tfde_cli\n"
+            "try:\n    tfde_cli.main(['--help'])\n"
+            "except SystemExit:\n    pass\n"
+            "assert 'tensorflow' not in sys.modules, 'TensorFlow imported'\n",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "tfde train" in out.stdout and "make-data" in out.stdout and out.stderr == ""
     assert time.monotonic() - start < 10
@@ -86,6 +98,7 @@ def test_the_command_prints_only_its_own_output(tmp_path):
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("wrote 50 ratings") and out.stderr == "", out.stderr[-3000:]
-    loud = subprocess.run(cmd[:3] + ["--tf-logs"] + cmd[3:], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    loud = subprocess.run(
+        cmd[:3] + ["--tf-logs"] + cmd[3:], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert loud.returncode == 0 and loud.stdout.startswith("wrote 50 ratings")

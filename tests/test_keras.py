@@ -11,10 +11,17 @@ pytestmark = pytest.mark.keras
 
 
 def test_issue_snippet_string_keys_sequential_fit():
-    user = tf.keras.Sequential([
-        tfde.keras.layers.Embedding(embedding_size=64, key_dtype=tf.string,
-                                    initializer=tf.random_uniform_initializer(), name="user-embedding"),
-        tf.keras.layers.Dense(32)])
+    user = tf.keras.Sequential(
+        [
+            tfde.keras.layers.Embedding(
+                embedding_size=64,
+                key_dtype=tf.string,
+                initializer=tf.random_uniform_initializer(),
+                name="user-embedding",
+            ),
+            tf.keras.layers.Dense(32),
+        ]
+    )
     model = user
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam()), loss="mse")
     ids = tf.constant(["alice", "bob", "carol", "alice", "dave", "bob"])
@@ -31,8 +38,9 @@ def test_issue_snippet_string_keys_sequential_fit():
 def test_nested_sequential_with_string_input():
     # Keras 3 gives a Sequential without an Input the float dtype of its
     # first layer when that layer is itself a model: declare the input.
-    user = tf.keras.Sequential([tfde.keras.layers.Embedding(8, key_dtype=tf.string, name="nested"),
-                                tf.keras.layers.Dense(4)])
+    user = tf.keras.Sequential(
+        [tfde.keras.layers.Embedding(8, key_dtype=tf.string, name="nested"), tf.keras.layers.Dense(4)]
+    )
     model = tf.keras.Sequential([tf.keras.Input(shape=(), dtype=tf.string), user, tf.keras.layers.Dense(1)])
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.1)), loss="mse")
     ids = tf.constant(["a", "b", "c", "a"])
@@ -41,9 +49,9 @@ def test_nested_sequential_with_string_input():
 
 
 def test_int64_keys_with_combiner_fit():
-    model = tf.keras.Sequential([
-        tfde.keras.layers.Embedding(8, key_dtype=tf.int64, combiner="mean", name="bag"),
-        tf.keras.layers.Dense(1)])
+    model = tf.keras.Sequential(
+        [tfde.keras.layers.Embedding(8, key_dtype=tf.int64, combiner="mean", name="bag"), tf.keras.layers.Dense(1)]
+    )
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adagrad(0.5)), loss="mse")
     x = tf.constant(np.random.default_rng(0).integers(0, 100, (64, 5)), tf.int64)
     y = tf.cast(tf.reduce_sum(x % 2, axis=1, keepdims=True), tf.float32)
@@ -53,10 +61,13 @@ def test_int64_keys_with_combiner_fit():
 
 
 def _build(seed_name):
-    model = tf.keras.Sequential([
-        tfde.keras.layers.Embedding(4, seed=7, name=f"emb_{seed_name}"),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(1, kernel_initializer="ones", name=f"dense_{seed_name}")])
+    model = tf.keras.Sequential(
+        [
+            tfde.keras.layers.Embedding(4, seed=7, name=f"emb_{seed_name}"),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(1, kernel_initializer="ones", name=f"dense_{seed_name}"),
+        ]
+    )
     model.build((None, 2))
     return model
 
@@ -85,11 +96,13 @@ def test_eager_function_and_fit_agree():
             ds = tf.data.Dataset.from_tensor_slices((tf.concat(xs, 0), tf.concat(ys, 0))).batch(6)
             model.fit(ds, epochs=1, shuffle=False, verbose=0)
         else:
+
             def step(x, y, model=model, opt=opt):
                 with tf.GradientTape() as tape:
                     loss = loss_fn(y, model(x, training=True))
                 grads = tape.gradient(loss, model.trainable_variables)
                 opt.apply_gradients(zip(grads, model.trainable_variables))
+
             fn = tf.function(step) if mode == "function" else step
             for x, y in zip(xs, ys):
                 fn(x, y)
@@ -124,8 +137,12 @@ def test_dense_part_matches_keras_embedding_when_every_row_is_touched():
                 loss = tf.reduce_mean((m(x, training=True) - y) ** 2)
             grads = tape.gradient(loss, m.trainable_variables)
             opt.apply_gradients(zip(grads, m.trainable_variables))
-    np.testing.assert_allclose(tfde_emb.params.lookup(tf.range(vocab, dtype=tf.int64)).numpy(),
-                               keras_emb.get_weights()[0], rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        tfde_emb.params.lookup(tf.range(vocab, dtype=tf.int64)).numpy(),
+        keras_emb.get_weights()[0],
+        rtol=1e-5,
+        atol=2e-5,
+    )
     for a, b in zip(models[0].layers[1].get_weights(), models[1].layers[1].get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
 
@@ -155,28 +172,47 @@ def test_output_shapes_and_squashed():
 
 
 def test_get_config_round_trip():
-    layer = tfde.keras.layers.Embedding(5, key_dtype=tf.string, initializer=tf.keras.initializers.RandomNormal(
-        stddev=0.3, seed=2), combiner="sum", num_shards=2, seed=9, name="cfg",
-        table_creator=tfde.CuckooTableCreator(expected_rows=100))
+    layer = tfde.keras.layers.Embedding(
+        5,
+        key_dtype=tf.string,
+        initializer=tf.keras.initializers.RandomNormal(stddev=0.3, seed=2),
+        combiner="sum",
+        num_shards=2,
+        seed=9,
+        name="cfg",
+        table_creator=tfde.CuckooTableCreator(expected_rows=100),
+    )
     clone = tfde.keras.layers.Embedding.from_config(layer.get_config())
-    assert (clone.embedding_size, clone.key_dtype, clone.combiner, clone.num_shards, clone.seed) == \
-        (5, tf.string, "sum", 2, 9)
+    assert (clone.embedding_size, clone.key_dtype, clone.combiner, clone.num_shards, clone.seed) == (
+        5,
+        tf.string,
+        "sum",
+        2,
+        9,
+    )
     ids = tf.constant([["a", "b"]])
     np.testing.assert_array_equal(layer(ids, training=False), clone(ids, training=False))
     sq = tfde.keras.layers.SquashedEmbedding.from_config(tfde.keras.layers.SquashedEmbedding(3).get_config())
     assert sq.combiner == "sum"
 
 
-@pytest.mark.parametrize("policy,admission", [
-    (tfde.FrequencyRestrictPolicy, tfde.CounterFilter(min_count=3)),
-    (tfde.TimestampRestrictPolicy(clock="wall"), tfde.ProbabilityFilter(0.5)),
-    (tfde.TTLPolicy(ttl_steps=7), None)], ids=["frequency", "timestamp", "ttl"])
+@pytest.mark.parametrize(
+    "policy,admission",
+    [
+        (tfde.FrequencyRestrictPolicy, tfde.CounterFilter(min_count=3)),
+        (tfde.TimestampRestrictPolicy(clock="wall"), tfde.ProbabilityFilter(0.5)),
+        (tfde.TTLPolicy(ttl_steps=7), None),
+    ],
+    ids=["frequency", "timestamp", "ttl"],
+)
 def test_policies_and_filters_survive_a_layer_config(policy, admission):
     layer = tfde.keras.layers.Embedding(2, restrict_policy=policy, admission_filter=admission, name="pol")
     config = layer.get_config()
     clone = tfde.keras.layers.Embedding.from_config({**config, "name": "pol2"})
-    for mine, theirs in ((layer.params.restrict_policy, clone.params.restrict_policy),
-                         (layer.params.admission_filter, clone.params.admission_filter)):
+    for mine, theirs in (
+        (layer.params.restrict_policy, clone.params.restrict_policy),
+        (layer.params.admission_filter, clone.params.admission_filter),
+    ):
         assert type(mine) is type(theirs)
         if mine is not None:
             assert mine.get_config() == theirs.get_config()
@@ -185,9 +221,12 @@ def test_policies_and_filters_survive_a_layer_config(policy, admission):
 def test_a_layer_config_naming_an_unknown_policy_is_refused():
     config = tfde.keras.layers.Embedding(2, restrict_policy=tfde.FrequencyRestrictPolicy, name="pol").get_config()
     config["restrict_policy"] = {"class_name": "RestrictPolicy", "config": {}}  # the abstract base
-    with pytest.raises(tfde.ConfigError, match=r"unknown restrict policy or admission filter 'RestrictPolicy'.*"
-                                               r"FrequencyRestrictPolicy, TimestampRestrictPolicy, TTLPolicy, "
-                                               r"CounterFilter, ProbabilityFilter"):
+    with pytest.raises(
+        tfde.ConfigError,
+        match=r"unknown restrict policy or admission filter 'RestrictPolicy'.*"
+        r"FrequencyRestrictPolicy, TimestampRestrictPolicy, TTLPolicy, "
+        r"CounterFilter, ProbabilityFilter",
+    ):
         tfde.keras.layers.Embedding.from_config({**config, "name": "pol3"})
 
 
@@ -224,8 +263,11 @@ def test_summary_and_count_params():
     assert any("summ" in line for line in lines)
 
 
-@pytest.mark.parametrize("compile_args", [{}, {"optimizer": "adam"}, {"optimizer": tf.keras.optimizers.SGD(0.1)}],
-                         ids=["no_optimizer", "by_name", "plain_instance"])
+@pytest.mark.parametrize(
+    "compile_args",
+    [{}, {"optimizer": "adam"}, {"optimizer": tf.keras.optimizers.SGD(0.1)}],
+    ids=["no_optimizer", "by_name", "plain_instance"],
+)
 def test_a_model_compiled_without_the_tfde_optimizer_is_told_the_fix(compile_args):
     """model.compile() without tfde.DynamicEmbeddingOptimizer (the mistake of
     TFRA's MWMS program): the first step raises naming the wrapper, instead
@@ -234,8 +276,11 @@ def test_a_model_compiled_without_the_tfde_optimizer_is_told_the_fix(compile_arg
     model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, initializer=0.5), tf.keras.layers.Dense(1)])
     model.compile(loss="mse", **compile_args)
     data = tf.data.Dataset.from_tensor_slices((np.arange(8, dtype=np.int64), np.ones(8, np.float32))).batch(4)
-    with pytest.raises(tfde.UnsupportedOptimizerError, match=r"not wrapped by tfde.DynamicEmbeddingOptimizer.*"
-                                                             r"model.compile\(optimizer=tfde.DynamicEmbeddingOptimizer"):
+    with pytest.raises(
+        tfde.UnsupportedOptimizerError,
+        match=r"not wrapped by tfde.DynamicEmbeddingOptimizer.*"
+        r"model.compile\(optimizer=tfde.DynamicEmbeddingOptimizer",
+    ):
         model.fit(data, epochs=1, verbose=0)
     assert int(model.layers[0].params.size()) == 0
 
@@ -269,10 +314,16 @@ def test_an_unseeded_keras_initializer_gives_the_same_rows_in_every_process():
     import subprocess
     import sys
 
-    code = ("import tensorflow as tf, tfde; l = tfde.keras.layers.Embedding(3, "
-            "initializer=tf.keras.initializers.RandomNormal(), name='same_name'); "
-            "print(l(tf.constant([1, 2], tf.int64)).numpy().round(6).tolist())")
+    code = (
+        "import tensorflow as tf, tfde; l = tfde.keras.layers.Embedding(3, "
+        "initializer=tf.keras.initializers.RandomNormal(), name='same_name'); "
+        "print(l(tf.constant([1, 2], tf.int64)).numpy().round(6).tolist())"
+    )
     env = {**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-            .stdout.strip().splitlines()[-1] for _ in range(2)]
+    runs = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+        .stdout.strip()
+        .splitlines()[-1]
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1], runs

@@ -38,34 +38,42 @@ def _var_with_rows():
     return v
 
 
-@pytest.mark.parametrize("combiner,expected", [
-    ("sum", [[1.0, 2.0], [0.0, 0.0], [3.0, 3.0]]),
-    ("mean", [[0.5, 1.0], [0.0, 0.0], [3.0, 3.0]]),
-    ("sqrtn", [[1 / np.sqrt(2), 2 / np.sqrt(2)], [0.0, 0.0], [3.0, 3.0]]),
-])
+@pytest.mark.parametrize(
+    "combiner,expected",
+    [
+        ("sum", [[1.0, 2.0], [0.0, 0.0], [3.0, 3.0]]),
+        ("mean", [[0.5, 1.0], [0.0, 0.0], [3.0, 3.0]]),
+        ("sqrtn", [[1 / np.sqrt(2), 2 / np.sqrt(2)], [0.0, 0.0], [3.0, 3.0]]),
+    ],
+)
 def test_sparse_and_ragged_combiners(combiner, expected):
     v = _var_with_rows()
-    sp = tf.sparse.SparseTensor(indices=[[0, 0], [0, 1], [2, 0]], values=tf.constant([1, 2, 3], tf.int64),
-                                dense_shape=[3, 2])
-    np.testing.assert_allclose(tfde.embedding_lookup_sparse(v, sp, combiner=combiner, training=False), expected,
-                               rtol=1e-6)
+    sp = tf.sparse.SparseTensor(
+        indices=[[0, 0], [0, 1], [2, 0]], values=tf.constant([1, 2, 3], tf.int64), dense_shape=[3, 2]
+    )
+    np.testing.assert_allclose(
+        tfde.embedding_lookup_sparse(v, sp, combiner=combiner, training=False), expected, rtol=1e-6
+    )
     rg = tf.ragged.constant([[1, 2], [], [3]], dtype=tf.int64)
-    np.testing.assert_allclose(tfde.embedding_lookup_ragged(v, rg, combiner=combiner, training=False), expected,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        tfde.embedding_lookup_ragged(v, rg, combiner=combiner, training=False), expected, rtol=1e-6
+    )
 
 
 def test_sparse_weights():
     v = _var_with_rows()
     sp = tf.sparse.SparseTensor([[0, 0], [0, 1]], tf.constant([1, 2], tf.int64), [1, 2])
     w = tf.sparse.SparseTensor([[0, 0], [0, 1]], tf.constant([2.0, 1.0]), [1, 2])
-    np.testing.assert_allclose(tfde.embedding_lookup_sparse(v, sp, w, combiner="mean", training=False),
-                               [[2 / 3, 2 / 3]], rtol=1e-6)
+    np.testing.assert_allclose(
+        tfde.embedding_lookup_sparse(v, sp, w, combiner="mean", training=False), [[2 / 3, 2 / 3]], rtol=1e-6
+    )
 
 
 def test_ragged_without_combiner_keeps_ragged_shape():
     v = _var_with_rows()
-    out = tfde.embedding_lookup_ragged(v, tf.ragged.constant([[1, 2], [3]], dtype=tf.int64), combiner=None,
-                                       training=False)
+    out = tfde.embedding_lookup_ragged(
+        v, tf.ragged.constant([[1, 2], [3]], dtype=tf.int64), combiner=None, training=False
+    )
     assert isinstance(out, tf.RaggedTensor) and out.shape.as_list() == [2, None, 2]
 
 

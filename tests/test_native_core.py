@@ -1,7 +1,6 @@
 """The cuckoo core without TensorFlow (C++ stress test), and the stable hash
 and initial rows checked bit for bit against their Python references."""
 
-import os
 import random
 import shutil
 import subprocess
@@ -70,17 +69,23 @@ def test_mix64_is_a_bijection_so_int_keys_are_their_hashes():
 @pytest.mark.parametrize("dtype", [tf.int64, tf.int32])
 def test_stable_hash_matches_reference_for_ints(dtype):
     info = np.iinfo(dtype.as_numpy_dtype)
-    keys = np.concatenate([np.arange(-50, 50), [info.min, info.max, 0, 1, 2 ** 20],
-                           np.random.default_rng(0).integers(info.min, info.max, 200)]).astype(dtype.as_numpy_dtype)
+    keys = np.concatenate(
+        [
+            np.arange(-50, 50),
+            [info.min, info.max, 0, 1, 2**20],
+            np.random.default_rng(0).integers(info.min, info.max, 200),
+        ]
+    ).astype(dtype.as_numpy_dtype)
     got = hashing.stable_hash(tf.constant(keys)).numpy().view(np.uint64)
     want = np.array([hashing.stable_hash_py(int(k)) for k in keys], np.uint64)
     np.testing.assert_array_equal(got, want)
 
 
 def test_vectorized_numpy_hash_matches_native():
-    keys = np.random.default_rng(1).integers(-2 ** 63, 2 ** 63 - 1, 1000, dtype=np.int64)
-    np.testing.assert_array_equal(hashing.stable_hash_np(keys),
-                                  hashing.stable_hash(tf.constant(keys)).numpy().view(np.uint64))
+    keys = np.random.default_rng(1).integers(-(2**63), 2**63 - 1, 1000, dtype=np.int64)
+    np.testing.assert_array_equal(
+        hashing.stable_hash_np(keys), hashing.stable_hash(tf.constant(keys)).numpy().view(np.uint64)
+    )
 
 
 def test_int32_and_int64_keys_hash_alike():
@@ -102,14 +107,15 @@ def test_pinned_hash_values_never_change():
     assert hashing.stable_hash_py(0) == 0xE220A8397B1DCDAF
     assert hashing.stable_hash_py(1) == 0x910A2DEC89025CC1
     assert hashing.stable_hash_py(b"user_1") == hashing.stable_hash_py("user_1")
-    assert [hashing.shard_of_py(hashing.stable_hash_py(k), 4) for k in range(8)] == \
-        list(hashing.shard_index(tf.constant(np.arange(8), tf.int64), 4).numpy())
+    assert [hashing.shard_of_py(hashing.stable_hash_py(k), 4) for k in range(8)] == list(
+        hashing.shard_index(tf.constant(np.arange(8), tf.int64), 4).numpy()
+    )
 
 
 def test_the_owner_and_bucket_routing_is_one_formula():
     """((h & 0xFFFFFFFF) * n) >> 32 as a Python int, numpy and TF, pinned;
     tests/test_redis.py pins the C++ one to it."""
-    keys = np.random.default_rng(5).integers(-2 ** 63, 2 ** 63 - 1, size=1000)
+    keys = np.random.default_rng(5).integers(-(2**63), 2**63 - 1, size=1000)
     hashes = hashing.stable_hash_np(keys)
     for n in (1, 2, 3, 7, 64):
         want = [hashing.route_low_py(int(h), n) for h in hashes]
@@ -124,11 +130,18 @@ def test_sequential_ids_spread_evenly_over_shards():
     assert counts.min() > 0.95 * 100_000 / 8, counts
 
 
-@pytest.mark.parametrize("spec", [InitSpec("uniform", -0.5, 0.25, 11), InitSpec("normal", 0.1, 2.0, 12),
-                                  InitSpec("truncated_normal", 0.0, 1.0, 13), InitSpec("constant", 0.75, 0, 1)])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        InitSpec("uniform", -0.5, 0.25, 11),
+        InitSpec("normal", 0.1, 2.0, 12),
+        InitSpec("truncated_normal", 0.0, 1.0, 13),
+        InitSpec("constant", 0.75, 0, 1),
+    ],
+)
 def test_init_rows_match_reference(spec):
     ops = _native.load()
-    keys = np.array([0, 1, -5, 2 ** 40, 77], np.int64)
+    keys = np.array([0, 1, -5, 2**40, 77], np.int64)
     got = ops.tfde_init_rows(tf.constant(keys), Tvalue=tf.float64, dim=7, **spec.attrs()).numpy()
     want = init_rows_reference(list(keys), spec, 7)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
@@ -138,9 +151,23 @@ def test_init_rows_match_reference(spec):
 
 def test_init_rows_distribution():
     ops = _native.load()
-    got = ops.tfde_init_rows(tf.range(20000, dtype=tf.int64), Tvalue=tf.float32, dim=8,
-                             init_kind="normal", init_p0=1.0, init_p1=3.0, init_seed=5).numpy()
+    got = ops.tfde_init_rows(
+        tf.range(20000, dtype=tf.int64),
+        Tvalue=tf.float32,
+        dim=8,
+        init_kind="normal",
+        init_p0=1.0,
+        init_p1=3.0,
+        init_seed=5,
+    ).numpy()
     assert abs(got.mean() - 1.0) < 0.05 and abs(got.std() - 3.0) < 0.05
-    u = ops.tfde_init_rows(tf.range(20000, dtype=tf.int64), Tvalue=tf.float32, dim=8,
-                           init_kind="uniform", init_p0=-1.0, init_p1=1.0, init_seed=5).numpy()
+    u = ops.tfde_init_rows(
+        tf.range(20000, dtype=tf.int64),
+        Tvalue=tf.float32,
+        dim=8,
+        init_kind="uniform",
+        init_p0=-1.0,
+        init_p1=1.0,
+        init_seed=5,
+    ).numpy()
     assert u.min() >= -1.0 and u.max() < 1.0 and abs(u.mean()) < 0.02

@@ -20,6 +20,7 @@ STEPS, DIM, VOCAB, BATCH = 20, 4, 15, 8
 
 # ------------------------------------------------------------- numpy reference
 
+
 def np_update(kind, cfg, w, g, s, lr, t):
     """One lazy step on touched rows, float64; s: dict of slot arrays (in place)."""
     if kind == "SGD":
@@ -41,7 +42,7 @@ def np_update(kind, cfg, w, g, s, lr, t):
         if cfg.get("amsgrad"):
             s["vhat"] = np.maximum(s["vhat"], s["v"])
             v = s["vhat"]
-        alpha = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        alpha = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
         return w - s["m"] * alpha / (np.sqrt(v) + eps)
     if kind == "RMSprop":
         rho, eps, mom = cfg.get("rho", 0.9), cfg.get("epsilon", 1e-7), cfg.get("momentum", 0.0)
@@ -63,16 +64,22 @@ def np_update(kind, cfg, w, g, s, lr, t):
         shrink = cfg.get("l2_shrinkage_regularization_strength", 0.0)
         acc = s["accumulator"]
         new_acc = acc + g * g
-        s["linear"] = s["linear"] + (g + 2 * shrink * w) - (new_acc ** -p - acc ** -p) / lr * w
-        quad = new_acc ** -p / lr + 2 * l2
+        s["linear"] = s["linear"] + (g + 2 * shrink * w) - (new_acc**-p - acc**-p) / lr * w
+        quad = new_acc**-p / lr + 2 * l2
         s["accumulator"] = new_acc
         return (np.clip(s["linear"], -l1, l1) - s["linear"]) / quad
     raise AssertionError(kind)
 
 
 def initial_slots(kind, cfg):
-    zero = {"SGD": ["momentum"], "Adam": ["m", "v", "vhat"], "AdamW": ["m", "v", "vhat"],
-            "RMSprop": ["velocity", "momentum", "average_gradient"], "Adagrad": [], "Ftrl": ["linear"]}[kind]
+    zero = {
+        "SGD": ["momentum"],
+        "Adam": ["m", "v", "vhat"],
+        "AdamW": ["m", "v", "vhat"],
+        "RMSprop": ["velocity", "momentum", "average_gradient"],
+        "Adagrad": [],
+        "Ftrl": ["linear"],
+    }[kind]
     out = {n: 0.0 for n in zero}
     if kind in ("Adagrad", "Ftrl"):
         out["accumulator"] = cfg.get("initial_accumulator_value", 0.1)
@@ -91,8 +98,16 @@ CASES = [
     ("RMSprop", {"learning_rate": 0.01}),
     ("RMSprop", {"learning_rate": 0.01, "momentum": 0.5, "centered": True}),
     ("Ftrl", {"learning_rate": 0.1}),
-    ("Ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02,
-              "beta": 0.1, "l2_shrinkage_regularization_strength": 0.01}),
+    (
+        "Ftrl",
+        {
+            "learning_rate": 0.1,
+            "l1_regularization_strength": 0.01,
+            "l2_regularization_strength": 0.02,
+            "beta": 0.1,
+            "l2_shrinkage_regularization_strength": 0.01,
+        },
+    ),
 ]
 
 
@@ -228,8 +243,9 @@ def clip_step(kind, clip_arg, clip, graph, dense_grad=(0.3, -0.4)):
     after, dense weight after, the Variable)."""
     cfg = {"learning_rate": 0.1 if kind == "SGD" else 0.01, clip_arg: clip}
     opt = tfde.DynamicEmbeddingOptimizer(getattr(K, kind)(**cfg))
-    var = tfde.Variable(f"clip_{kind}_{clip_arg}_{graph}", dim=3,
-                        initializer=tf.keras.initializers.RandomUniform(-1, 1, seed=3))
+    var = tfde.Variable(
+        f"clip_{kind}_{clip_arg}_{graph}", dim=3, initializer=tf.keras.initializers.RandomUniform(-1, 1, seed=3)
+    )
     w = tf.Variable([1.0, 2.0])
     coeff = np.arange(1.0, 1.0 + 3 * len(CLIP_IDS)).reshape(-1, 3) / 10.0
     coeff[CLIP_IDS.index(NAN_KEY), 1] = np.nan
@@ -282,15 +298,22 @@ def test_one_nan_row_skips_only_that_row_under_clipping(kind, clip_arg, clip, gr
             np.testing.assert_array_equal(after[i], before[i])
             continue
         slots = {n: np.full(3, v) for n, v in initial_slots(kind, cfg).items()}
-        np.testing.assert_allclose(after[i], np_update(kind, cfg, before[i], grads[k], slots, cfg["learning_rate"], 1),
-                                   rtol=1e-5, atol=1e-6, err_msg=f"key {k}")
+        np.testing.assert_allclose(
+            after[i],
+            np_update(kind, cfg, before[i], grads[k], slots, cfg["learning_rate"], 1),
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=f"key {k}",
+        )
     assert int(var.size()) == len(keys) - 1
     for slot in var.slots.values():
-        assert sorted(np.concatenate([k.numpy() for k, _ in slot.export()]).tolist()) == \
-            [k for k in keys if k != NAN_KEY]
+        assert sorted(np.concatenate([k.numpy() for k, _ in slot.export()]).tolist()) == [
+            k for k in keys if k != NAN_KEY
+        ]
     dense_slots = {n: np.full(2, v) for n, v in initial_slots(kind, cfg).items()}
-    np.testing.assert_allclose(w, np_update(kind, cfg, np.array([1.0, 2.0]), dense, dense_slots,
-                                            cfg["learning_rate"], 1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        w, np_update(kind, cfg, np.array([1.0, 2.0]), dense, dense_slots, cfg["learning_rate"], 1), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("kind", ["SGD", "Adam"])
@@ -306,8 +329,13 @@ def test_global_clipnorm_with_a_nan_dense_gradient_clips_rows_over_the_finite_pa
             np.testing.assert_array_equal(after[i], before[i])
             continue
         slots = {n: np.full(3, v) for n, v in initial_slots(kind, cfg).items()}
-        np.testing.assert_allclose(after[i], np_update(kind, cfg, before[i], grads[k], slots, cfg["learning_rate"], 1),
-                                   rtol=1e-5, atol=1e-6, err_msg=f"key {k}")
+        np.testing.assert_allclose(
+            after[i],
+            np_update(kind, cfg, before[i], grads[k], slots, cfg["learning_rate"], 1),
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=f"key {k}",
+        )
     plain = tf.Variable([1.0, 2.0])
     getattr(K, kind)(**cfg).apply_gradients([(tf.constant(dense_grad), plain)])
     np.testing.assert_array_equal(w, plain.numpy())

@@ -3,7 +3,6 @@ of training steps and restrictions leave exactly the keys the reference
 keeps (ties: smaller stable hash kept), and every slot table (optimizer and
 policy state) always holds exactly the rows' key set."""
 
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -52,8 +51,9 @@ def train_step(var, opt, keys):
     opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
 
 
-@pytest.mark.parametrize("kind,policy", [("frequency", tfde.FrequencyRestrictPolicy),
-                                         ("timestamp", tfde.TimestampRestrictPolicy)])
+@pytest.mark.parametrize(
+    "kind,policy", [("frequency", tfde.FrequencyRestrictPolicy), ("timestamp", tfde.TimestampRestrictPolicy)]
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_steps_and_restrictions_match_reference(kind, policy, seed):
     for backend, creator, cleanup in creators():
@@ -89,8 +89,9 @@ def test_restriction_during_training_leaves_every_key_in_all_tables_or_none():
 
     for backend, creator, cleanup in creators():
         try:
-            var = tfde.Variable(f"pol-conc-{backend}", dim=4, table_creator=creator,
-                                restrict_policy=tfde.FrequencyRestrictPolicy)
+            var = tfde.Variable(
+                f"pol-conc-{backend}", dim=4, table_creator=creator, restrict_policy=tfde.FrequencyRestrictPolicy
+            )
             opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
             step = tf.function(lambda ids: train_step(var, opt, ids))
 
@@ -155,8 +156,14 @@ def test_restrict_callback_under_model_fit():
             sizes.append(int(layer.params.size()))
 
     x = np.arange(400, dtype=np.int64)
-    model.fit(x, np.zeros((400, 1), np.float32), batch_size=40, epochs=1, verbose=0,
-              callbacks=[tfde.keras.callbacks.RestrictCallback(max_size=100, num_reserved=60), Sizes()])
+    model.fit(
+        x,
+        np.zeros((400, 1), np.float32),
+        batch_size=40,
+        epochs=1,
+        verbose=0,
+        callbacks=[tfde.keras.callbacks.RestrictCallback(max_size=100, num_reserved=60), Sizes()],
+    )
     assert max(sizes) <= 100 and int(layer.params.size()) <= 100
 
 
@@ -164,8 +171,9 @@ def test_restrict_callback_without_policies_says_so():
     model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, name="pol_none"), tf.keras.layers.Dense(1)])
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1)), loss="mse")
     with pytest.raises(tfde.ConfigError, match="found no tfde layer with a restrict_policy"):
-        model.fit(np.arange(4), np.zeros((4, 1)), verbose=0,
-                  callbacks=[tfde.keras.callbacks.RestrictCallback(max_size=2)])
+        model.fit(
+            np.arange(4), np.zeros((4, 1)), verbose=0, callbacks=[tfde.keras.callbacks.RestrictCallback(max_size=2)]
+        )
 
 
 def test_bad_arguments():
@@ -182,10 +190,10 @@ def test_bad_arguments():
 
 # ------------------------------------------------------------ admission
 
+
 @pytest.mark.parametrize("default", ["initializer", "zeros"])
 def test_counter_filter_admits_on_the_min_count_th_step(default):
-    var = tfde.Variable("adm-counter", dim=2, initializer=1.0,
-                        admission_filter=tfde.CounterFilter(3, default=default))
+    var = tfde.Variable("adm-counter", dim=2, initializer=1.0, admission_filter=tfde.CounterFilter(3, default=default))
     opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5))
     for t in range(3):
         train_step(var, opt, [7, 7, 8] if t < 2 else [7])
@@ -214,8 +222,13 @@ def test_policy_and_admission_inside_tf_function(backend, tmp_path):
     if backend == "redis":
         name, creator, cleanup = next(c for c in creators() if c[0] == "redis")
     try:
-        var = tfde.Variable(f"pol-fn-{backend}", dim=2, table_creator=creator,
-                            restrict_policy=tfde.FrequencyRestrictPolicy, admission_filter=tfde.CounterFilter(2))
+        var = tfde.Variable(
+            f"pol-fn-{backend}",
+            dim=2,
+            table_creator=creator,
+            restrict_policy=tfde.FrequencyRestrictPolicy,
+            admission_filter=tfde.CounterFilter(2),
+        )
         opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
         step = tf.function(lambda ids: train_step(var, opt, ids))
 

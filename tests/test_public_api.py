@@ -17,10 +17,16 @@ import tfde.saving
 def _public():
     objects = {name: getattr(tfde, name) for name in tfde.__all__}
     objects.update({f"keras.layers.{n}": getattr(tfde.keras.layers, n) for n in ("Embedding", "SquashedEmbedding")})
-    objects.update({f"keras.callbacks.{n}": getattr(tfde.keras.callbacks, n)
-                    for n in ("ModelCheckpoint", "RestrictCallback")})
-    objects.update({"saving.apply_changes": tfde.saving.apply_changes, "saving.read_changes": tfde.saving.read_changes,
-                    "initializers.PerKey": tfde.initializers.PerKey})
+    objects.update(
+        {f"keras.callbacks.{n}": getattr(tfde.keras.callbacks, n) for n in ("ModelCheckpoint", "RestrictCallback")}
+    )
+    objects.update(
+        {
+            "saving.apply_changes": tfde.saving.apply_changes,
+            "saving.read_changes": tfde.saving.read_changes,
+            "initializers.PerKey": tfde.initializers.PerKey,
+        }
+    )
     found = {}
     for name, obj in objects.items():
         if inspect.ismodule(obj):
@@ -47,8 +53,11 @@ def test_the_public_api_is_large_enough_to_mean_something():
 @pytest.mark.parametrize("name", sorted(PUBLIC))
 def test_public_signatures_are_annotated(name):
     signature = inspect.signature(PUBLIC[name])
-    bare = [p.name for p in signature.parameters.values()
-            if p.name not in ("self", "cls") and p.annotation is inspect.Parameter.empty]
+    bare = [
+        p.name
+        for p in signature.parameters.values()
+        if p.name not in ("self", "cls") and p.annotation is inspect.Parameter.empty
+    ]
     assert not bare, f"{name}: parameters without a type: {bare}"
     if not name.endswith("__init__"):
         assert signature.return_annotation is not inspect.Signature.empty, f"{name}: no return type"

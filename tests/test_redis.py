@@ -3,9 +3,6 @@ handling, errors, pipelining and training through it.  (The shared table
 suite in test_tables.py also runs against Redis.)"""
 
 import json
-import shutil
-import threading
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -13,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+import redis_servers
 import tensorflow as tf
 
-import redis_servers
 import tfde
 from tfde.tables.redis_table import RedisTable
 
@@ -40,6 +37,7 @@ def protected_server():
 
 # ------------------------------------------------------------ config
 
+
 def test_tfra_config_file_loads_unchanged():
     cfg = tfde.RedisTableConfig.from_path(str(CONFIG))
     assert cfg.redis_connection_mode == 2 and cfg.storage_slice == 2
@@ -52,17 +50,20 @@ def test_config_from_env_and_dict(monkeypatch):
     assert tfde.RedisTableConfig.load({"redis_host_port": 6380}).redis_host_port == (6380,)
 
 
-@pytest.mark.parametrize("text,match", [
-    ("{not json", "is not valid JSON at line 1"),
-    ('{"storage_slice": 2, // two buckets\n "redis_db": 0}', "JSON has no comments"),
-    ('{"redis_host_port": [70000]}', "redis_host_port 70000 is out of range; expected 1..65535"),
-    ('{"redis_host_ip": []}', "redis_host_ip is empty"),
-    ('{"storage_slice": "2"}', "storage_slice must be an int"),
-    ('{"redis_connection_mode": 5}', "redis_connection_mode must be 0 \\(cluster\\), 1 \\(sentinel\\) or 2"),
-    ('{"storage_slice": 3, "redis_hash_tags_runtime": ["{1}", "{2}"]}', "has 2 tags for 3 buckets"),
-    ('{"redis_hash_tags_runtime": ["x"]}', "is not a Redis hash tag"),
-    ('{"redis_password": 12345}', "redis_password must be a str, got <hidden>"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("{not json", "is not valid JSON at line 1"),
+        ('{"storage_slice": 2, // two buckets\n "redis_db": 0}', "JSON has no comments"),
+        ('{"redis_host_port": [70000]}', "redis_host_port 70000 is out of range; expected 1..65535"),
+        ('{"redis_host_ip": []}', "redis_host_ip is empty"),
+        ('{"storage_slice": "2"}', "storage_slice must be an int"),
+        ('{"redis_connection_mode": 5}', "redis_connection_mode must be 0 \\(cluster\\), 1 \\(sentinel\\) or 2"),
+        ('{"storage_slice": 3, "redis_hash_tags_runtime": ["{1}", "{2}"]}', "has 2 tags for 3 buckets"),
+        ('{"redis_hash_tags_runtime": ["x"]}', "is not a Redis hash tag"),
+        ('{"redis_password": 12345}', "redis_password must be a str, got <hidden>"),
+    ],
+)
 def test_bad_config_files(tmp_path, text, match):
     path = tmp_path / "bad.json"
     path.write_text(text)
@@ -94,6 +95,7 @@ def test_cluster_mode_against_a_standalone_server():
 
 # ------------------------------------------------------------ server errors
 
+
 def test_wrong_password_is_a_clear_error(protected_server):
     creator = tfde.RedisTableCreator({"redis_host_port": protected_server, "redis_password": "wrong-pw"})
     with pytest.raises(tfde.ConfigError, match="refused the credentials of user 'default'") as info:
@@ -118,8 +120,11 @@ def test_table_opened_with_another_dim_is_refused(tag):
     creator = tfde.RedisTableCreator({"model_tag_runtime": tag})
     t = creator.create("emb", tf.int64, tf.float32, 4)
     t.insert(tf.constant([1], tf.int64), tf.ones([1, 4]))
-    with pytest.raises(tfde.ConfigError, match=r"already holds int64 -> float32\[4\].*asked for int64 -> "
-                                               r"float32\[8\]"):
+    with pytest.raises(
+        tfde.ConfigError,
+        match=r"already holds int64 -> float32\[4\].*asked for int64 -> "
+        r"float32\[8\]",
+    ):
         creator.create("emb", tf.int64, tf.float32, 8)
     again = creator.create("emb", tf.int64, tf.float32, 4)  # same spec: attaches to the stored rows
     assert again.find(tf.constant([1], tf.int64), tf.zeros([1, 4]))[1].numpy().tolist() == [True]
@@ -130,8 +135,9 @@ def test_lookup_is_one_pipelined_hmget_per_bucket_chunk():
     most 8 HMGETs (one per bucket and chunk of keys), pipelined over one
     connection: counted by a private server's own statistics."""
     port = redis_servers.standalone()
-    creator = tfde.RedisTableCreator({"redis_host_port": port, "model_tag_runtime": "rt", "storage_slice": 4,
-                                      "keys_sending_size": 1024})
+    creator = tfde.RedisTableCreator(
+        {"redis_host_port": port, "model_tag_runtime": "rt", "storage_slice": 4, "keys_sending_size": 1024}
+    )
     t = creator.create("rt", tf.int64, tf.float32, 8)
     t.insert(tf.range(4096, dtype=tf.int64), tf.ones([4096, 8]))
     t.find(tf.range(4, dtype=tf.int64), tf.zeros([1, 8]))  # the find op connects once
@@ -165,7 +171,7 @@ def test_native_writes_land_in_the_bucket_the_python_routing_names(tag):
     every key."""
     creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 5})
     t = creator.create("route", tf.int64, tf.float32, 1)
-    keys = np.random.default_rng(3).integers(-2 ** 62, 2 ** 62, size=300)
+    keys = np.random.default_rng(3).integers(-(2**62), 2**62, size=300)
     t.insert(tf.constant(keys), tf.ones([300, 1]))
     client = redis.Redis()
     buckets = tfde.hashing.route_low_np(tfde.hashing.stable_hash_np(keys), 5)
@@ -175,12 +181,17 @@ def test_native_writes_land_in_the_bucket_the_python_routing_names(tag):
 
 # ------------------------------------------------------------ training
 
+
 @pytest.mark.keras
 def test_model_fit_through_redis_matches_cuckoo(tag):
     def train(creator):
-        model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, seed=3, table_creator=creator, name="r"),
-                                     tf.keras.layers.Flatten(),
-                                     tf.keras.layers.Dense(1, kernel_initializer="ones")])
+        model = tf.keras.Sequential(
+            [
+                tfde.keras.layers.Embedding(4, seed=3, table_creator=creator, name="r"),
+                tf.keras.layers.Flatten(),
+                tf.keras.layers.Dense(1, kernel_initializer="ones"),
+            ]
+        )
         model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
         rng = np.random.default_rng(0)
         x = rng.integers(0, 50, (64, 2))
@@ -195,12 +206,16 @@ def test_model_fit_through_redis_matches_cuckoo(tag):
     assert int(redis_var.size()) == int(cuckoo_var.size()) > 0
     assert isinstance(redis_var.tables[0], RedisTable)
     assert all(isinstance(s.tables[0], RedisTable) for s in redis_var.slots.values())
-    slot_hashes = [k for k in redis.Redis().scan_iter(match=f"{tag}:r-m/*")  # Adam's m slot lives in Redis too
-                   if not k.endswith(b":meta")]
+    slot_hashes = [
+        k
+        for k in redis.Redis().scan_iter(match=f"{tag}:r-m/*")  # Adam's m slot lives in Redis too
+        if not k.endswith(b":meta")
+    ]
     assert slot_hashes and sum(redis.Redis().hlen(h) for h in slot_hashes) == int(redis_var.size())
 
 
 # ------------------------------------------------------------ faults
+
 
 def _sgd_steps(var, steps, on_step=None):
     opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
@@ -222,8 +237,12 @@ def _reference_rows(steps):
 
 def test_server_killed_and_restarted_during_training():
     server = redis_servers.Restartable()
-    var = tfde.Variable("fault", dim=4, seed=2, table_creator=tfde.RedisTableCreator(
-        {"redis_host_port": server.port, "model_tag_runtime": "fault"}))
+    var = tfde.Variable(
+        "fault",
+        dim=4,
+        seed=2,
+        table_creator=tfde.RedisTableCreator({"redis_host_port": server.port, "model_tag_runtime": "fault"}),
+    )
 
     def crash_at_10(step):
         if step == 10:
@@ -235,8 +254,9 @@ def test_server_killed_and_restarted_during_training():
             server.start()
 
     _sgd_steps(var, 20, crash_at_10)
-    np.testing.assert_allclose(var.lookup(tf.range(40, dtype=tf.int64)).numpy(), _reference_rows(20),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        var.lookup(tf.range(40, dtype=tf.int64)).numpy(), _reference_rows(20), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_dropped_connections_are_retried(tag):
@@ -248,13 +268,13 @@ def test_dropped_connections_are_retried(tag):
             admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
 
     _sgd_steps(var, 12, drop)
-    np.testing.assert_allclose(var.lookup(tf.range(40, dtype=tf.int64)).numpy(), _reference_rows(12),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        var.lookup(tf.range(40, dtype=tf.int64)).numpy(), _reference_rows(12), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_retried_accum_is_applied_once(tag, monkeypatch):
-    t = tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 2}).create("acc", tf.int64,
-                                                                                      tf.float32, 1)
+    t = tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 2}).create("acc", tf.int64, tf.float32, 1)
     original = redis.client.Pipeline.execute
     failures = []
 
@@ -268,29 +288,41 @@ def test_retried_accum_is_applied_once(tag, monkeypatch):
     monkeypatch.setattr(redis.client.Pipeline, "execute", execute_then_drop)
     t.accum(tf.constant([1, 2, 3], tf.int64), tf.ones([3, 1]), tfde.initializers.InitSpec("constant", 0.0))
     monkeypatch.undo()
-    assert failures and t.find(tf.constant([1, 2, 3], tf.int64), tf.zeros([1, 1]))[0].numpy().ravel().tolist() \
-        == [1.0, 1.0, 1.0]
+    assert failures and t.find(tf.constant([1, 2, 3], tf.int64), tf.zeros([1, 1]))[0].numpy().ravel().tolist() == [
+        1.0,
+        1.0,
+        1.0,
+    ]
 
 
 def test_server_gone_for_good_names_server_and_operation():
     server = redis_servers.Restartable()
-    var = tfde.Variable("gone", dim=2, table_creator=tfde.RedisTableCreator(
-        {"redis_host_port": server.port, "model_tag_runtime": "gone", "redis_connect_timeout": 100}))
+    var = tfde.Variable(
+        "gone",
+        dim=2,
+        table_creator=tfde.RedisTableCreator(
+            {"redis_host_port": server.port, "model_tag_runtime": "gone", "redis_connect_timeout": 100}
+        ),
+    )
     var.upsert(tf.constant([1], tf.int64), tf.ones([1, 2]))
     server.kill()
-    with pytest.raises(tfde.BackendUnavailableError, match=f"127.0.0.1:{server.port} unreachable during find "
-                                                           "of table 'gone/shard_0_of_1' after 5 attempts"):
+    with pytest.raises(
+        tfde.BackendUnavailableError,
+        match=f"127.0.0.1:{server.port} unreachable during find of table 'gone/shard_0_of_1' after 5 attempts",
+    ):
         var.lookup(tf.constant([1], tf.int64))
 
 
 # ------------------------------------------------------------ model tags
 
+
 def test_import_from_model_tag_rebuckets_rows(tag):
     old = tfde.RedisTableCreator({"model_tag_runtime": tag + "-v1", "storage_slice": 3})
     t_old = old.create("emb", tf.string, tf.float32, 2)
     t_old.insert(tf.constant(["a", "b", "c"]), tf.constant([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]))
-    new = tfde.RedisTableCreator({"model_tag_runtime": tag, "model_tag_import": tag + "-v1",
-                                  "storage_slice_import": 3, "storage_slice": 2})
+    new = tfde.RedisTableCreator(
+        {"model_tag_runtime": tag, "model_tag_import": tag + "-v1", "storage_slice_import": 3, "storage_slice": 2}
+    )
     t_new = new.create("emb", tf.string, tf.float32, 2)
     rows, exists = t_new.find(tf.constant(["a", "b", "c", "d"]), tf.zeros([1, 2]))
     assert rows.numpy().tolist() == [[1, 1], [2, 2], [3, 3], [0, 0]] and exists.numpy().tolist()[:3] == [True] * 3
@@ -313,10 +345,12 @@ def test_close_sets_expiry_and_open_clears_it(tag):
 
 # ------------------------------------------------------------ checkpoints
 
+
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_table_store_mode_in_checkpoints(tag, tmp_path, mode):
-    creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "table_store_mode": mode,
-                                      "model_lib_abs_dir": str(tmp_path / "lib")})
+    creator = tfde.RedisTableCreator(
+        {"model_tag_runtime": tag, "table_store_mode": mode, "model_lib_abs_dir": str(tmp_path / "lib")}
+    )
     var = tfde.Variable("store", key_dtype=tf.string, dim=2, initializer=0.0, table_creator=creator)
     var.upsert(tf.constant(["a", "b"]), tf.constant([[1.0, 1.0], [2.0, 2.0]]))
     path = tf.train.Checkpoint(var=var).save(str(tmp_path / "ck"))
@@ -341,6 +375,7 @@ def test_table_store_mode_in_checkpoints(tag, tmp_path, mode):
 
 
 # ------------------------------------------------------------ opening: credentials and timeouts
+
 
 def _graph_bytes(graph) -> bytes:
     return graph.as_graph_def().SerializeToString()  # nodes, attrs, constants and the function library
@@ -383,53 +418,82 @@ def test_password_is_in_no_graph(protected_server):
 
 def test_password_the_server_does_not_have_is_refused_at_open(tag):
     creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "redis_password": "unneeded-pw"})
-    with pytest.raises(tfde.ConfigError, match="Redis at 127.0.0.1:6379 has no password, but redis_password is "
-                                               "set in the Redis config; remove redis_password") as info:
+    with pytest.raises(
+        tfde.ConfigError,
+        match="Redis at 127.0.0.1:6379 has no password, but redis_password is "
+        "set in the Redis config; remove redis_password",
+    ) as info:
         creator.create("t", tf.int64, tf.float32, 2)
     assert "unneeded-pw" not in str(info.value)
     assert not list(redis.Redis().scan_iter(match=f"{tag}:*"))  # refused before anything was written
 
 
 def test_missing_password_is_refused_at_open(protected_server):
-    with pytest.raises(tfde.ConfigError, match=f"Redis at 127.0.0.1:{protected_server} requires a password, but "
-                                               "redis_password is empty in the Redis config; set redis_password"):
+    with pytest.raises(
+        tfde.ConfigError,
+        match=f"Redis at 127.0.0.1:{protected_server} requires a password, but "
+        "redis_password is empty in the Redis config; set redis_password",
+    ):
         tfde.RedisTableCreator({"redis_host_port": protected_server}).create("t", tf.int64, tf.float32, 2)
 
 
 def test_unknown_user_is_refused_at_open(protected_server):
-    creator = tfde.RedisTableCreator({"redis_host_port": protected_server, "redis_user": "bob",
-                                      "redis_password": "s3cret"})
-    with pytest.raises(tfde.ConfigError, match=f"Redis at 127.0.0.1:{protected_server} refused the credentials of "
-                                               "user 'bob' \\(WRONGPASS\\); check redis_user and redis_password"):
+    creator = tfde.RedisTableCreator(
+        {"redis_host_port": protected_server, "redis_user": "bob", "redis_password": "s3cret"}
+    )
+    with pytest.raises(
+        tfde.ConfigError,
+        match=f"Redis at 127.0.0.1:{protected_server} refused the credentials of "
+        "user 'bob' \\(WRONGPASS\\); check redis_user and redis_password",
+    ):
         creator.create("t", tf.int64, tf.float32, 2)
 
 
 def test_sentinel_password_the_sentinel_does_not_have_is_refused_at_open():
     sentinel_port, _ = redis_servers.sentinel()
-    creator = tfde.RedisTableCreator({"redis_connection_mode": 1, "redis_host_port": sentinel_port,
-                                      "redis_sentinel_password": "unneeded-pw", "model_tag_runtime": "sentinel-pw"})
-    with pytest.raises(tfde.ConfigError, match=f"Redis at 127.0.0.1:{sentinel_port} has no password, but "
-                                               "redis_sentinel_password is set"):
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_connection_mode": 1,
+            "redis_host_port": sentinel_port,
+            "redis_sentinel_password": "unneeded-pw",
+            "model_tag_runtime": "sentinel-pw",
+        }
+    )
+    with pytest.raises(
+        tfde.ConfigError,
+        match=f"Redis at 127.0.0.1:{sentinel_port} has no password, but redis_sentinel_password is set",
+    ):
         creator.create("t", tf.int64, tf.float32, 2)
 
 
-@pytest.mark.parametrize("field", ["redis_connect_timeout", "redis_socket_timeout", "redis_sentinel_connect_timeout",
-                                   "redis_sentinel_socket_timeout"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "redis_connect_timeout",
+        "redis_socket_timeout",
+        "redis_sentinel_connect_timeout",
+        "redis_sentinel_socket_timeout",
+    ],
+)
 @pytest.mark.parametrize("value", [0, -5])
 def test_timeouts_below_one_millisecond_are_refused(field, value):
-    with pytest.raises(tfde.ConfigError, match=f"{field} must be a timeout of at least 1 millisecond, got {value}; "
-                                               "tfde has no \"no timeout\""):
+    with pytest.raises(
+        tfde.ConfigError,
+        match=f'{field} must be a timeout of at least 1 millisecond, got {value}; tfde has no "no timeout"',
+    ):
         tfde.RedisTableConfig.from_dict({field: value})
 
 
 def test_timeout_beyond_the_native_clients_range_is_refused():
-    with pytest.raises(tfde.ConfigError, match="redis_socket_timeout 2147483648 is too large; expected at most "
-                                               "2147483647 milliseconds"):
+    with pytest.raises(
+        tfde.ConfigError, match="redis_socket_timeout 2147483648 is too large; expected at most 2147483647 milliseconds"
+    ):
         tfde.RedisTableConfig.from_dict({"redis_socket_timeout": 2**31})
 
 
-@pytest.mark.parametrize("field", ["redis_wait_timeout", "redis_connection_lifetime", "expire_model_tag_in_seconds",
-                                   "redis_db"])
+@pytest.mark.parametrize(
+    "field", ["redis_wait_timeout", "redis_connection_lifetime", "expire_model_tag_in_seconds", "redis_db"]
+)
 def test_negative_durations_are_refused(field):
     with pytest.raises(tfde.ConfigError, match=f"{field} must be >= 0, got -1"):
         tfde.RedisTableConfig.from_dict({field: -1})

@@ -10,9 +10,9 @@ import threading
 import numpy as np
 import pytest
 import redis
+import redis_servers
 import tensorflow as tf
 
-import redis_servers
 import tfde
 from tfde.tables.cuckoo import CuckooTableCreator
 
@@ -22,10 +22,14 @@ N = 3000  # keys per write: big enough that a write spans many reads on the serv
 def _tables(port, tag, **cfg):
     """A row table and two slot-like tables of other dtypes and dims, made by
     one creator as a Variable makes them."""
-    creator = tfde.RedisTableCreator({"redis_host_port": port, "model_tag_runtime": tag, "storage_slice": 3,
-                                      "keys_sending_size": 256, **cfg})
-    return (creator.create("emb", tf.int64, tf.float32, 8), creator.create("emb-m", tf.int64, tf.float64, 8),
-            creator.create("emb-v", tf.int64, tf.bfloat16, 4))
+    creator = tfde.RedisTableCreator(
+        {"redis_host_port": port, "model_tag_runtime": tag, "storage_slice": 3, "keys_sending_size": 256, **cfg}
+    )
+    return (
+        creator.create("emb", tf.int64, tf.float32, 8),
+        creator.create("emb-m", tf.int64, tf.float64, 8),
+        creator.create("emb-v", tf.int64, tf.bfloat16, 4),
+    )
 
 
 def _batch(tables, n=N, base=0.0):
@@ -132,7 +136,7 @@ class CuttingProxy:
             if len(data) < self.budget:
                 self.budget -= len(data)
                 return data, False
-            data = data[:self.budget]
+            data = data[: self.budget]
             self.times -= 1
             self.budget = self.after
             self.cuts += 1
@@ -165,7 +169,7 @@ def proxy(server):
 def test_insert_with_writes_every_table_in_one_transaction(server, graph):
     tables = _tables(server, "group")
     keys, rows = _batch(tables)
-    write = (lambda k, r: _write(tables, k, r))
+    write = lambda k, r: _write(tables, k, r)
     write = tf.function(write) if graph else write
     before = _exec_calls(server)
     write(keys, rows)
@@ -179,8 +183,9 @@ def test_insert_with_writes_every_table_in_one_transaction(server, graph):
 
 def test_insert_with_on_a_cluster_is_one_transaction_per_bucket():
     ports = redis_servers.cluster()
-    tables = _tables(ports[0], "group-cluster", redis_connection_mode=0, redis_host_ip=["127.0.0.1"] * 3,
-                     redis_host_port=ports)
+    tables = _tables(
+        ports[0], "group-cluster", redis_connection_mode=0, redis_host_ip=["127.0.0.1"] * 3, redis_host_port=ports
+    )
     keys, rows = _batch(tables)
 
     def execs():
@@ -257,8 +262,11 @@ def test_error_inside_the_transaction_is_reported(server):
     tables = _tables(server, "wrongtype")
     keys, rows = _batch(tables, n=30)
     redis.Redis(port=server).set("wrongtype:emb-m:{1}", "not a hash")
-    with pytest.raises(tfde.TfdeError, match="HSET wrongtype:emb-m:\\{1\\} \\(table 'emb-m', bucket 1\\) failed "
-                                             "inside the transaction: WRONGTYPE.*its other writes were applied"):
+    with pytest.raises(
+        tfde.TfdeError,
+        match="HSET wrongtype:emb-m:\\{1\\} \\(table 'emb-m', bucket 1\\) failed "
+        "inside the transaction: WRONGTYPE.*its other writes were applied",
+    ):
         _write(tables, keys, rows)
 
 
@@ -271,13 +279,20 @@ def test_rows_of_the_wrong_shape_are_refused_before_anything_is_written(server):
         _write(tables, keys, [rows[0], rows[1], tf.zeros([5, 3], tf.bfloat16)])
 
     # Shapes known only when the graph runs: the kernel checks them.
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None, 8], tf.float32),
-                                  tf.TensorSpec([None, 8], tf.float64), tf.TensorSpec([None, 4], tf.bfloat16)])
+    @tf.function(
+        input_signature=[
+            tf.TensorSpec([None], tf.int64),
+            tf.TensorSpec([None, 8], tf.float32),
+            tf.TensorSpec([None, 8], tf.float64),
+            tf.TensorSpec([None, 4], tf.bfloat16),
+        ]
+    )
     def write(k, a, b, c):
         return _write(tables, k, [a, b, c])
 
-    with pytest.raises(tf.errors.InvalidArgumentError, match="rows for table 'emb-v' must have shape \\[5, 4\\] "
-                                                             "for 5 keys"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="rows for table 'emb-v' must have shape \\[5, 4\\] for 5 keys"
+    ):
         write(keys, rows[0], rows[1], rows[2][:3])
     _assert_none_written(tables, keys)
     write(keys, *rows)

@@ -7,19 +7,17 @@ rows read straight from the server) and every key with a row has all of its
 optimizer slots.  Timeouts are short (FAST), so the file runs in well under
 a minute."""
 
-import shutil
-import subprocess
 import time
 import uuid
 
 import numpy as np
 import pytest
 import redis
-import tensorflow as tf
-
 import redis_servers
-import tfde
+import tensorflow as tf
 from fault_proxy import FaultProxy
+
+import tfde
 from tfde.hashing import stable_hash_py
 
 FAST = {"redis_connect_timeout": 200, "redis_socket_timeout": 200}
@@ -56,8 +54,16 @@ def _rows(keys, shift=0.0) -> np.ndarray:
 def _variable(port, tag, name="v", **config):
     """A Variable of dim 4 on one Redis table of 2 buckets, 4 keys per
     command: 8 keys of a bucket make 2 commands."""
-    creator = tfde.RedisTableCreator({"redis_host_port": port, "model_tag_runtime": tag, "storage_slice": 2,
-                                      "keys_sending_size": 4, **FAST, **config})
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_host_port": port,
+            "model_tag_runtime": tag,
+            "storage_slice": 2,
+            "keys_sending_size": 4,
+            **FAST,
+            **config,
+        }
+    )
     return tfde.Variable(name, dim=4, seed=1, table_creator=creator)
 
 
@@ -82,6 +88,7 @@ def ephemeral():
 
 # ------------------------------------------------------------ the client stays in step (issue #15, points 1, 7)
 
+
 def test_error_reply_mid_pipeline_leaves_the_client_in_step(tag):
     """The issue's recipe: a lookup whose first HMGET is refused (a bucket
     replaced by a string) fails; once the bucket is back, every lookup
@@ -97,8 +104,11 @@ def test_error_reply_mid_pipeline_leaves_the_client_in_step(tag):
     assert len(saved) == 4
     admin.delete(bucket0)
     admin.set(bucket0, "not a hash")
-    with pytest.raises(tfde.BackendError, match=rf"Redis at 127\.0\.0\.1:6379 refused find of table '{TABLE}': "
-                                                r".*WRONGTYPE"):
+    with pytest.raises(
+        tfde.BackendError,
+        match=rf"Redis at 127\.0\.0\.1:6379 refused find of table '{TABLE}': "
+        r".*WRONGTYPE",
+    ):
         var.lookup(keys)
     admin.delete(bucket0)
     admin.hset(bucket0, mapping=saved)
@@ -184,14 +194,21 @@ def test_out_of_memory_then_memory_freed_leaves_no_stale_error():
     admin.config_set("maxmemory", 1)
     try:
         for _ in range(2):
-            with pytest.raises(tfde.CapacityError, match=rf"Redis at 127\.0\.0\.1:{port} is out of memory during "
-                                                         rf"insert of table '{TABLE}': .*OOM command not allowed"):
+            with pytest.raises(
+                tfde.CapacityError,
+                match=rf"Redis at 127\.0\.0\.1:{port} is out of memory during "
+                rf"insert of table '{TABLE}': .*OOM command not allowed",
+            ):
                 var.upsert(keys, rows)
+
         @tf.function
         def write(k, r):
             var.upsert(k, r)
-        with pytest.raises(tf.errors.ResourceExhaustedError,
-                           match=rf"tfde\.CapacityError: Redis at 127\.0\.0\.1:{port} is out of memory"):
+
+        with pytest.raises(
+            tf.errors.ResourceExhaustedError,
+            match=rf"tfde\.CapacityError: Redis at 127\.0\.0\.1:{port} is out of memory",
+        ):
             write(keys, rows)
     finally:
         admin.config_set("maxmemory", 0)
@@ -203,6 +220,7 @@ def test_out_of_memory_then_memory_freed_leaves_no_stale_error():
 
 # ------------------------------------------------------------ error classes (point 12)
 
+
 def test_tfde_store_errors_are_tensorflow_errors():
     """Each store error is also TensorFlow's class of the same code, is
     raised with its message alone, survives pickling (worker processes),
@@ -212,10 +230,12 @@ def test_tfde_store_errors_are_tensorflow_errors():
     from tfde.errors import from_op_error, graph_message, redis_error_class
     from tfde.tables.redis_table import backoff_s
 
-    for cls, tf_cls in ((tfde.BackendUnavailableError, tf.errors.UnavailableError),
-                        (tfde.BackendError, tf.errors.FailedPreconditionError),
-                        (tfde.CredentialsError, tf.errors.FailedPreconditionError),
-                        (tfde.CapacityError, tf.errors.ResourceExhaustedError)):
+    for cls, tf_cls in (
+        (tfde.BackendUnavailableError, tf.errors.UnavailableError),
+        (tfde.BackendError, tf.errors.FailedPreconditionError),
+        (tfde.CredentialsError, tf.errors.FailedPreconditionError),
+        (tfde.CapacityError, tf.errors.ResourceExhaustedError),
+    ):
         error = cls("Redis at h:1 said so")
         again = pickle.loads(pickle.dumps(error))
         assert isinstance(error, tf_cls) and type(again) is cls and str(again) == str(error) == error.message
@@ -224,7 +244,12 @@ def test_tfde_store_errors_are_tensorflow_errors():
         assert type(back) is cls and str(back) == "Redis at h:1 said so"
     assert isinstance(tfde.CredentialsError("x"), tfde.ConfigError)
     assert [redis_error_class(c) for c in ("LOADING", "OOM", "WRONGPASS", "WRONGTYPE", "ERR")] == [
-        tfde.BackendUnavailableError, tfde.CapacityError, tfde.CredentialsError, tfde.BackendError, tfde.BackendError]
+        tfde.BackendUnavailableError,
+        tfde.CapacityError,
+        tfde.CredentialsError,
+        tfde.BackendError,
+        tfde.BackendError,
+    ]
     assert [backoff_s(n) for n in range(1, 7)] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]
 
 
@@ -242,9 +267,11 @@ def test_a_refusal_in_a_graph_is_failed_precondition_at_once(tag):
         redis.Redis().delete(f"{tag}:{TABLE}:{{0}}")
         redis.Redis().set(f"{tag}:{TABLE}:{{0}}", "not a hash")
         before, start = proxy.replies, time.perf_counter()
-        with pytest.raises(tf.errors.FailedPreconditionError,
-                           match=rf"tfde\.BackendError: Redis at 127\.0\.0\.1:{proxy.port} refused find of table "
-                                 rf"'{TABLE}': .*WRONGTYPE") as info:
+        with pytest.raises(
+            tf.errors.FailedPreconditionError,
+            match=rf"tfde\.BackendError: Redis at 127\.0\.0\.1:{proxy.port} refused find of table "
+            rf"'{TABLE}': .*WRONGTYPE",
+        ) as info:
             lookup(keys)
         elapsed = time.perf_counter() - start
         assert not isinstance(info.value, tfde.TfdeError)  # TensorFlow's own class, in a graph
@@ -253,9 +280,11 @@ def test_a_refusal_in_a_graph_is_failed_precondition_at_once(tag):
         with pytest.raises(tf.errors.FailedPreconditionError) as info:
             var.lookup(keys)
         assert isinstance(info.value, tfde.BackendError)
-        with pytest.raises(tf.errors.FailedPreconditionError,
-                           match=rf"tfde\.BackendError: Redis at 127\.0\.0\.1:{proxy.port} refused size of table "
-                                 rf"'{TABLE}': .*WRONGTYPE"):
+        with pytest.raises(
+            tf.errors.FailedPreconditionError,
+            match=rf"tfde\.BackendError: Redis at 127\.0\.0\.1:{proxy.port} refused size of table "
+            rf"'{TABLE}': .*WRONGTYPE",
+        ):
             tf.function(lambda: var.size())()
 
 
@@ -281,9 +310,11 @@ def test_transient_replies_are_retried_then_unavailable(tag):
         assert proxy.pending == 0 and time.perf_counter() - start >= 0.15  # backed off 50 + 100 ms
         for at in (0, 4, 5, 6, 7):
             proxy.inject(loading, at=at)
-        with pytest.raises(tf.errors.UnavailableError,
-                           match=rf"tfde\.BackendUnavailableError: Redis at 127\.0\.0\.1:{proxy.port} unreachable "
-                                 rf"during find of table '{TABLE}' after 5 attempts: .*LOADING"):
+        with pytest.raises(
+            tf.errors.UnavailableError,
+            match=rf"tfde\.BackendUnavailableError: Redis at 127\.0\.0\.1:{proxy.port} unreachable "
+            rf"during find of table '{TABLE}' after 5 attempts: .*LOADING",
+        ):
             lookup(keys)
         for at in (0, 4, 5, 6, 7):
             proxy.inject(loading, at=at)
@@ -297,8 +328,9 @@ def test_model_fit_with_the_server_killed_raises_unavailable(ephemeral):
     """A server killed mid-training: model.fit raises TensorFlow's
     UnavailableError (not InternalError) naming tfde.BackendUnavailableError,
     the server and the operation; so do the redis-py operations in graphs."""
-    creator = tfde.RedisTableCreator({"redis_host_port": ephemeral.port, "model_tag_runtime": "fit",
-                                      "redis_connect_timeout": 100})
+    creator = tfde.RedisTableCreator(
+        {"redis_host_port": ephemeral.port, "model_tag_runtime": "fit", "redis_connect_timeout": 100}
+    )
     layer = tfde.keras.layers.Embedding(4, seed=3, table_creator=creator, name="r")
     model = tf.keras.Sequential([layer, tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
@@ -310,20 +342,26 @@ def test_model_fit_with_the_server_killed_raises_unavailable(ephemeral):
             if batch == 1:
                 ephemeral.kill()
 
-    with pytest.raises(tf.errors.UnavailableError,
-                       match=rf"tfde\.BackendUnavailableError: Redis at 127\.0\.0\.1:{ephemeral.port} unreachable "
-                             r"during \w+ of table 'r/shard_0_of_1' after 5 attempts"):
+    with pytest.raises(
+        tf.errors.UnavailableError,
+        match=rf"tfde\.BackendUnavailableError: Redis at 127\.0\.0\.1:{ephemeral.port} unreachable "
+        r"during \w+ of table 'r/shard_0_of_1' after 5 attempts",
+    ):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[KillAtBatch1()])
-    with pytest.raises(tf.errors.UnavailableError,
-                       match=r"tfde\.BackendUnavailableError: .* unreachable during size of table 'r/shard_0_of_1'"):
+    with pytest.raises(
+        tf.errors.UnavailableError,
+        match=r"tfde\.BackendUnavailableError: .* unreachable during size of table 'r/shard_0_of_1'",
+    ):
         tf.function(lambda: layer.params.size())()
 
 
 # ------------------------------------------------------------ a wiped store (point 4)
 
+
 def _fit_with_restart(port, recreate, restart):
-    creator = tfde.RedisTableCreator({"redis_host_port": port, "model_tag_runtime": "wiped",
-                                      "recreate_if_missing": recreate, **FAST})
+    creator = tfde.RedisTableCreator(
+        {"redis_host_port": port, "model_tag_runtime": "wiped", "recreate_if_missing": recreate, **FAST}
+    )
     layer = tfde.keras.layers.Embedding(4, seed=3, table_creator=creator, name="w")
     model = tf.keras.Sequential([layer, tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
@@ -345,10 +383,12 @@ def test_a_server_restarted_empty_is_noticed(ephemeral):
     the next step fails (FailedPrecondition in model.fit, BackendError
     eagerly, through either client) naming the server and the table, and
     writes nothing, instead of training on from initial rows."""
-    with pytest.raises(tf.errors.FailedPreconditionError,
-                       match=rf"tfde\.BackendError: Redis at 127\.0\.0\.1:{ephemeral.port} no longer holds table "
-                             r"'w(-\w+)?/shard_0_of_1' \(its meta key 'wiped:w(-\w+)?/shard_0_of_1:meta' is gone\).*"
-                             r"recreate_if_missing"):
+    with pytest.raises(
+        tf.errors.FailedPreconditionError,
+        match=rf"tfde\.BackendError: Redis at 127\.0\.0\.1:{ephemeral.port} no longer holds table "
+        r"'w(-\w+)?/shard_0_of_1' \(its meta key 'wiped:w(-\w+)?/shard_0_of_1:meta' is gone\).*"
+        r"recreate_if_missing",
+    ):
         _fit_with_restart(ephemeral.port, False, ephemeral.restart_empty)
     admin = redis.Redis(port=ephemeral.port)
     assert admin.dbsize() == 0
@@ -358,8 +398,11 @@ def test_a_server_restarted_empty_is_noticed(ephemeral):
     var.upsert(tf.constant([1], tf.int64), tf.ones([1, 2]))
     admin.flushall()
     admin.client_kill_filter(_type="normal", skipme=True)
-    with pytest.raises(tfde.BackendError, match=rf"Redis at 127\.0\.0\.1:{ephemeral.port} no longer holds table "
-                                               r"'x/shard_0_of_1'"):
+    with pytest.raises(
+        tfde.BackendError,
+        match=rf"Redis at 127\.0\.0\.1:{ephemeral.port} no longer holds table "
+        r"'x/shard_0_of_1'",
+    ):
         var.size()  # redis-py
     with pytest.raises(tfde.BackendError, match="no longer holds table 'x/shard_0_of_1'"):
         var.lookup(tf.constant([1], tf.int64))  # native
@@ -381,6 +424,7 @@ def test_recreate_if_missing_starts_the_table_afresh(ephemeral):
 
 # ------------------------------------------------------------ training through faults
 
+
 def _slot_tables_consistent(tag, name="v"):
     """Straight from the server: the keys of every bucket of the row table
     and of each Adam slot table (m, v), and the rows."""
@@ -400,8 +444,15 @@ def test_training_through_faults_keeps_rows_and_slots_together(tag):
     and steps whose server dies between two of the step's write commands
     (cut): after every step every key with a row has both Adam slots, and
     lookups return the rows the server holds."""
-    faults = ["close", "-LOADING Redis is loading", "corrupt", "-BUSY busy", "drop", ("delay", 0.05),
-              "-WRONGTYPE Operation against a key holding the wrong kind of value"]
+    faults = [
+        "close",
+        "-LOADING Redis is loading",
+        "corrupt",
+        "-BUSY busy",
+        "drop",
+        ("delay", 0.05),
+        "-WRONGTYPE Operation against a key holding the wrong kind of value",
+    ]
     pool = _balanced_keys(8 * 40).reshape(2, 40, 8)  # [bucket, step, key]
     batches = iter(np.concatenate([pool[0], pool[1]], axis=1))
     with FaultProxy(6379) as proxy:
@@ -435,8 +486,9 @@ def test_training_through_faults_keeps_rows_and_slots_together(tag):
             proxy.clear()
             rows, slots = _slot_tables_consistent(tag)
             missing = {s: len(set(rows) - keys) for s, keys in slots.items()}
-            assert missing == {"m": 0, "v": 0}, f"after {fault!r} at command {at} of {per_step}: keys with a row " \
-                                                "but no slot"
+            assert missing == {"m": 0, "v": 0}, (
+                f"after {fault!r} at command {at} of {per_step}: keys with a row but no slot"
+            )
             keys = np.frombuffer(b"".join(rows), "<i8")
             stored = np.stack([np.frombuffer(rows[k.tobytes()], "<f4") for k in keys])
             np.testing.assert_array_equal(var.lookup(keys).numpy(), stored)

@@ -34,13 +34,20 @@ SANITIZERS = {
     ),
     "address,undefined": dict(
         flags=["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],
-        env={"ASAN_OPTIONS": "halt_on_error=1:exitcode=66:detect_leaks=1:detect_stack_use_after_return=1:"
-                             "check_initialization_order=1:strict_init_order=1",
-             "UBSAN_OPTIONS": "halt_on_error=1:exitcode=66:print_stacktrace=1"},
+        env={
+            "ASAN_OPTIONS": "halt_on_error=1:exitcode=66:detect_leaks=1:detect_stack_use_after_return=1:"
+            "check_initialization_order=1:strict_init_order=1",
+            "UBSAN_OPTIONS": "halt_on_error=1:exitcode=66:print_stacktrace=1",
+        },
     ),
 }
-REPORT_MARKERS = ("WARNING: ThreadSanitizer", "ERROR: AddressSanitizer", "ERROR: LeakSanitizer",
-                  "runtime error:", "SUMMARY: UndefinedBehaviorSanitizer")
+REPORT_MARKERS = (
+    "WARNING: ThreadSanitizer",
+    "ERROR: AddressSanitizer",
+    "ERROR: LeakSanitizer",
+    "runtime error:",
+    "SUMMARY: UndefinedBehaviorSanitizer",
+)
 
 # Threads, ops per thread, rows of the bulk insert: each run takes ~10-25 s
 # on 2 cores under either sanitizer (they slow the core 5-15x).
@@ -55,7 +62,8 @@ def _compile(sanitizer: str, source: Path, out: Path) -> Path:
     assert proc.returncode == 0, (
         f"building {source.name} with -fsanitize={sanitizer} failed; the sanitizer runtime may be missing "
         f"(Debian/Ubuntu: apt-get install libtsan2 libasan8 libubsan1, or run scripts/test.sh, which does).\n"
-        f"{' '.join(cmd)}\n{proc.stderr[-3000:]}")
+        f"{' '.join(cmd)}\n{proc.stderr[-3000:]}"
+    )
     return out
 
 
@@ -81,8 +89,9 @@ def test_stress_test_has_no_sanitizer_reports(sanitized_stress_test):
     print(f"-fsanitize={sanitizer}: seed {SEED}, threads/ops/bulk {WORKLOAD}, {seconds:.1f} s\n{output}")
     replay = f"replay: TFDE_STRESS_SEED={SEED} pytest tests/test_sanitizers.py"
     assert not reports, f"-fsanitize={sanitizer} reported {reports} ({replay}):\n{output[-6000:]}"
-    assert proc.returncode == 0, f"stress test exited {proc.returncode} under -fsanitize={sanitizer} ({replay}):\n" \
-                                 f"{output[-6000:]}"
+    assert proc.returncode == 0, (
+        f"stress test exited {proc.returncode} under -fsanitize={sanitizer} ({replay}):\n{output[-6000:]}"
+    )
     assert f"seed {SEED}" in proc.stdout and "PASS" in proc.stdout
     for keys in ("int64", "int32", "string"):
         for phase in ("disjoint keys", "shared keys", "bulk insert"):
@@ -125,8 +134,15 @@ PLANTED = {
 }
 
 
-@pytest.mark.parametrize("bug,sanitizer", [("thread", "thread"), ("address,undefined", "address,undefined"),
-                                           ("undefined", "address,undefined"), ("leak", "address,undefined")])
+@pytest.mark.parametrize(
+    "bug,sanitizer",
+    [
+        ("thread", "thread"),
+        ("address,undefined", "address,undefined"),
+        ("undefined", "address,undefined"),
+        ("leak", "address,undefined"),
+    ],
+)
 def test_planted_bugs_are_reported(bug, sanitizer, tmp_path):
     source = tmp_path / "planted.cc"
     source.write_text(PLANTED[bug])

@@ -12,10 +12,10 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import tfde
 from distributed_check import redis_tag
 from saving_model import K, assert_same, build, creator_for, layer, snapshot, train
+
+import tfde
 
 pytestmark = pytest.mark.keras
 
@@ -32,8 +32,9 @@ def save(model, kind, path):
     elif kind == "weights_file":
         model.save_weights(str(path / "model.weights.h5"))
     elif kind == "tf_checkpoint":
-        tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=model.optimizer),
-                                   str(path / "tf"), max_to_keep=2).save()
+        tf.train.CheckpointManager(
+            tf.train.Checkpoint(model=model, optimizer=model.optimizer), str(path / "tf"), max_to_keep=2
+        ).save()
     elif kind == "tfde_manager":
         tfde.saving.CheckpointManager(str(path / "tfde"), model=model, optimizer=model.optimizer).save()
 
@@ -48,7 +49,8 @@ def restore(kind, path, backend, tag):
         model.load_weights(str(path / "model.weights.h5"))
     elif kind == "tf_checkpoint":
         tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(
-            tf.train.latest_checkpoint(str(path / "tf"))).expect_partial()
+            tf.train.latest_checkpoint(str(path / "tf"))
+        ).expect_partial()
     elif kind == "tfde_manager":
         assert tfde.saving.CheckpointManager(str(path / "tfde"), model=model, optimizer=model.optimizer).restore()
     return model
@@ -131,8 +133,7 @@ def test_large_tables_are_written_in_chunks(tmp_path, monkeypatch):
     var.upsert(keys, tf.random.stateless_uniform([1000, 32], seed=[1, 2]))
     expected = var.lookup(keys).numpy()
     path = tfde.saving.CheckpointManager(str(tmp_path), var=var).save(step=1)
-    chunks = [n for n, _ in tf.train.list_variables(os.path.join(path, "worker-00000-of-00001"))
-              if "/rows/rows/" in n]
+    chunks = [n for n, _ in tf.train.list_variables(os.path.join(path, "worker-00000-of-00001")) if "/rows/rows/" in n]
     assert len(chunks) == -(-1000 // fmt.chunk_rows(32, tf.float32)) > 30
     var.clear()
     tfde.saving.CheckpointManager(str(tmp_path), var=var).restore()
@@ -140,6 +141,7 @@ def test_large_tables_are_written_in_chunks(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------ damaged files
+
 
 def _saved_var(tmp_path):
     var = tfde.Variable("damaged", dim=8, initializer=0.0)
@@ -241,24 +243,28 @@ def test_fresh_process_loads_without_importing_tfde_keras_first(tmp_path, tag):
     model = build("cuckoo", tag)
     train(model, 0)
     model.save(str(tmp_path / "m.keras"))
-    code = ("import tensorflow as tf, tfde; m = tf.keras.models.load_model(%r); "
-            "print(type(m.optimizer).__mro__[1].__name__, int(m.optimizer.iterations))" % str(tmp_path / "m.keras"))
+    code = (
+        "import tensorflow as tf, tfde; m = tf.keras.models.load_model(%r); "
+        "print(type(m.optimizer).__mro__[1].__name__, int(m.optimizer.iterations))" % str(tmp_path / "m.keras")
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["DynamicEmbeddingMixin", "6"], out.stdout
 
 
-@pytest.mark.parametrize("key_dtype,value_dtype", [(tf.int32, tf.float16), (tf.string, tf.bfloat16),
-                                                   (tf.int64, tf.float64)], ids=lambda d: d.name)
+@pytest.mark.parametrize(
+    "key_dtype,value_dtype",
+    [(tf.int32, tf.float16), (tf.string, tf.bfloat16), (tf.int64, tf.float64)],
+    ids=lambda d: d.name,
+)
 def test_every_dtype_round_trips_into_another_shard_count(tmp_path, key_dtype, value_dtype):
-    keys = (tf.constant([f"k{i}" for i in range(300)]) if key_dtype == tf.string
-            else tf.range(300, dtype=key_dtype) * 7)
-    var = tfde.Variable("dtypes", key_dtype=key_dtype, value_dtype=value_dtype, dim=3, initializer=0.0,
-                        num_shards=3)
+    keys = tf.constant([f"k{i}" for i in range(300)]) if key_dtype == tf.string else tf.range(300, dtype=key_dtype) * 7
+    var = tfde.Variable("dtypes", key_dtype=key_dtype, value_dtype=value_dtype, dim=3, initializer=0.0, num_shards=3)
     var.upsert(keys, tf.cast(tf.random.stateless_normal([300, 3], seed=[4, 2]), value_dtype))
     path = tf.train.Checkpoint(var=var).save(str(tmp_path / "ck"))
-    fresh = tfde.Variable("dtypes", key_dtype=key_dtype, value_dtype=value_dtype, dim=3, initializer=0.0,
-                          num_shards=2)  # keys are routed again on restore
+    fresh = tfde.Variable(
+        "dtypes", key_dtype=key_dtype, value_dtype=value_dtype, dim=3, initializer=0.0, num_shards=2
+    )  # keys are routed again on restore
     tf.train.Checkpoint(var=fresh).restore(path)
     assert int(fresh.size()) == 300
     np.testing.assert_array_equal(fresh.lookup(keys).numpy(), var.lookup(keys).numpy())

@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import tfde
-from backends import BACKENDS, VARIABLE_BACKENDS
 from conftest import LEGACY_KERAS
 from distributed_check import redis_tag
 from redis_servers import free_port
 from saving_model import creator_for
+
+import tfde
+from backends import BACKENDS, VARIABLE_BACKENDS
 from tfde.saving import format as fmt
 from tfde.saving import manager as manager_module
 
@@ -66,8 +66,13 @@ def emb_model(optimizer, build):
     """A model not built until called (Sequential without an input shape),
     or built (`build`: called on a batch, optimizer not built), or trained
     (`build == "trained"`: one epoch, optimizer and its slots built)."""
-    model = K.Sequential([tfde.keras.layers.Embedding(4, name="emb", restrict_policy=tfde.FrequencyRestrictPolicy),
-                          K.layers.Flatten(), K.layers.Dense(1, kernel_initializer="zeros")])
+    model = K.Sequential(
+        [
+            tfde.keras.layers.Embedding(4, name="emb", restrict_policy=tfde.FrequencyRestrictPolicy),
+            K.layers.Flatten(),
+            K.layers.Dense(1, kernel_initializer="zeros"),
+        ]
+    )
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(optimizer), loss="mse")
     if build == "trained":
         model.fit(IDS[::-1].copy(), LABELS, batch_size=10, verbose=0)
@@ -102,8 +107,9 @@ def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path, kind, build):
 
     sgd = emb_model(K.optimizers.SGD(0.1, momentum=0.9), build)
     before = model_state(sgd)
-    expected = (tfde.ConfigError if kind == "tfde_manager" and build == "unbuilt" and not LEGACY_KERAS
-                else tfde.CheckpointError)  # Keras 3 restores only into built models, and says so first
+    expected = (
+        tfde.ConfigError if kind == "tfde_manager" and build == "unbuilt" and not LEGACY_KERAS else tfde.CheckpointError
+    )  # Keras 3 restores only into built models, and says so first
     with pytest.raises(expected) as refused:
         if kind == "tf_checkpoint":
             tf.train.Checkpoint(model=sgd, optimizer=sgd.optimizer).restore(path)
@@ -138,6 +144,7 @@ def test_the_slot_record_accepts_the_same_optimizer(tmp_path):
 
 
 # ------------------------------------------------------------ 8: a damaged checkpoint changes nothing
+
 
 def _flip_a_byte_of(directory, value: np.ndarray):
     """Flips one byte inside the bytes of `value` in the data file holding them."""
@@ -337,8 +344,13 @@ def test_a_kill_at_every_point_of_the_commit_leaves_a_complete_checkpoint(tmp_pa
     for k in itertools.count():
         directory = str(tmp_path / f"k{k}")
         shutil.copytree(base, directory)
-        proc = subprocess.run([sys.executable, "-c", SAVE, directory, str(new_step), "3", str(k)],
-                              capture_output=True, text=True, env=ENV, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", SAVE, directory, str(new_step), "3", str(k)],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=300,
+        )
         done = proc.returncode == 0
         assert done or proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
         assert done == ("committed" in proc.stdout)
@@ -393,10 +405,23 @@ def test_a_kill_of_the_committing_worker_leaves_a_complete_checkpoint(tmp_path, 
     before the rename (3), before the state file is replaced (5) and after
     (6).  A single process then restores both shards of one version."""
     directory = str(tmp_path / "ck")
-    cfg = {"ports": [free_port(), free_port()], "tests": str(Path(__file__).parent), "dir": directory,
-           "env": manager_module.KILL_AT_COMMIT_POINT, "kill_at": kill_at}
-    procs = [subprocess.Popen([sys.executable, "-c", MW_SAVE, json.dumps(cfg), str(i)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=ENV) for i in range(2)]
+    cfg = {
+        "ports": [free_port(), free_port()],
+        "tests": str(Path(__file__).parent),
+        "dir": directory,
+        "env": manager_module.KILL_AT_COMMIT_POINT,
+        "kill_at": kill_at,
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", MW_SAVE, json.dumps(cfg), str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
+        )
+        for i in range(2)
+    ]
     try:
         out0 = procs[0].communicate(timeout=300)[0]
         assert procs[0].returncode == -signal.SIGKILL, out0[-3000:]

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import tfde
 from distributed_check import redis_tag
 from saving_model import KEYS, assert_same, build, data, layer, snapshot, train
+
+import tfde
 
 JOB = Path(__file__).with_name("saving_job.py")
 ENV = {**os.environ, "PYTHONPATH": str(JOB.parent.parent), "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -47,8 +47,13 @@ def _stop(proc):
 @pytest.mark.parametrize("kind", ["tfde", "tf"])
 def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, kind):
     directory = str(tmp_path / "ck")
-    proc = subprocess.Popen([sys.executable, str(JOB), "save-forever", directory, kind], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, str(JOB), "save-forever", directory, kind],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
     try:
         lines = []
         deadline = time.monotonic() + 240
@@ -99,13 +104,19 @@ def test_a_fresh_process_continues_training_exactly(tmp_path, kind, backend):
         if kind == "tfde":
             tfde.saving.CheckpointManager(directory, model=model, optimizer=model.optimizer).save()
         else:
-            tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=model.optimizer), directory,
-                                       max_to_keep=1).save()
+            tf.train.CheckpointManager(
+                tf.train.Checkpoint(model=model, optimizer=model.optimizer), directory, max_to_keep=1
+            ).save()
         train(model, 1, steps=10)
         expected = snapshot(model)
         out = tmp_path / "continued.npz"
-        proc = subprocess.run([sys.executable, str(JOB), "continue", directory, str(out), kind, backend, tag],
-                              capture_output=True, text=True, env=ENV, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, str(JOB), "continue", directory, str(out), kind, backend, tag],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         assert expected["iterations"] == 22
         assert_same(dict(np.load(out)), expected)
@@ -132,9 +143,14 @@ def _serve(tmp_path, saved_model, x, name):
     np.savez(tmp_path / "x.npz", items=x[0].numpy(), user=x[1].numpy().astype("S"))
     out = tmp_path / f"{name}.npy"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", SERVE, str(_native.build()), str(saved_model),
-                           str(tmp_path / "x.npz"), str(out)], capture_output=True, text=True, env=env,
-                          cwd="/", timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE, str(_native.build()), str(saved_model), str(tmp_path / "x.npz"), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return np.load(out), json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -176,8 +192,9 @@ def test_incremental_export_updates_a_serving_copy(tmp_path):
     tfde.saving.apply_changes(serving, str(tmp_path / "delta"))
     # Every row, evicted keys included (they read their initial value again).
     np.testing.assert_array_equal(serving.tfde_lookup_0(items).numpy(), var.lookup(items).numpy())
-    np.testing.assert_array_equal(serving.tfde_lookup_1(users).numpy(),
-                                  layer(model, "user_emb").params.lookup(users).numpy())
+    np.testing.assert_array_equal(
+        serving.tfde_lookup_1(users).numpy(), layer(model, "user_emb").params.lookup(users).numpy()
+    )
     kept = var.lookup(items, return_exists=True)[1].numpy()
     assert int(serving.tfde_remove_0(tf.constant(KEYS[~kept]))) == 0  # the evicted keys are gone there too
     assert int(serving.tfde_remove_0(tf.constant(KEYS[kept]))) == kept.sum()  # and the kept ones are there
@@ -211,9 +228,22 @@ def test_serving_export_can_keep_reading_redis(tmp_path):
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
         def serve(name):
-            proc = subprocess.run([sys.executable, "-c", LOOKUP, str(_native.build()), str(tmp_path / "serving"),
-                                   str(tmp_path / "x.npz"), str(tmp_path / name)], capture_output=True, text=True,
-                                  env=env, cwd="/", timeout=300)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    LOOKUP,
+                    str(_native.build()),
+                    str(tmp_path / "serving"),
+                    str(tmp_path / "x.npz"),
+                    str(tmp_path / name),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd="/",
+                timeout=300,
+            )
             assert proc.returncode == 0, proc.stderr[-4000:]
             return dict(np.load(tmp_path / name))
 

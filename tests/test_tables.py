@@ -1,15 +1,16 @@
 """One suite for every Table backend, checked against the reference table
 (a Python dict, the executable spec)."""
 
-
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import tfde
-from backends import BACKENDS as ALL_BACKENDS, TABLE_BACKENDS, FreshRedis
+from backends import BACKENDS as ALL_BACKENDS
+from backends import TABLE_BACKENDS, FreshRedis
 from tfde.initializers import InitSpec
 from tfde.tables import CuckooTableCreator, ReferenceTableCreator
 from tfde.tables.base import Table, creator_config, creator_from_config
@@ -76,12 +77,12 @@ def test_basic_ops_match_reference(backend, key_dtype, rng):
 def test_value_dtypes(backend, value_dtype):
     t = backend.create("vd", tf.int64, value_dtype, 3)
     t.insert(tf.constant([1, 2], tf.int64), tf.constant([[1, 2, 3], [4, 5, 6]], value_dtype))
-    t.accum(tf.constant([2, 9], tf.int64), tf.constant([[1, 1, 1], [0.5, 0.5, 0.5]], value_dtype),
-            InitSpec("constant", 1.0))
+    t.accum(
+        tf.constant([2, 9], tf.int64), tf.constant([[1, 1, 1], [0.5, 0.5, 0.5]], value_dtype), InitSpec("constant", 1.0)
+    )
     v, e = t.find(tf.constant([1, 2, 9, 3], tf.int64), InitSpec("constant", -1.0))
     assert v.dtype == value_dtype
-    np.testing.assert_allclose(tf.cast(v, tf.float64).numpy(),
-                               [[1, 2, 3], [5, 6, 7], [1.5, 1.5, 1.5], [-1, -1, -1]])
+    np.testing.assert_allclose(tf.cast(v, tf.float64).numpy(), [[1, 2, 3], [5, 6, 7], [1.5, 1.5, 1.5], [-1, -1, -1]])
     assert e.numpy().tolist() == [True, True, True, False]
 
 
@@ -163,6 +164,7 @@ def test_works_inside_tf_function(backend):
 
 # ---------------------------------------------------------------- bad input
 
+
 def test_wrong_key_dtype_is_a_clear_error(backend):
     t = backend.create("kd", tf.int64, tf.float32, 2)
     with pytest.raises(tfde.ShapeError, match="are string, expected int64"):
@@ -210,12 +212,12 @@ def test_big_batches_stream_their_rows(expected_rows, dim):  # cuckoo only: its 
     keys = rng.choice(1 << 40, size=2 * n, replace=False).astype(np.int64)
     first = rng.standard_normal((n, dim)).astype(np.float32)
     t.insert(tf.constant(keys[:n]), tf.constant(first))  # all new
-    mixed_keys = np.concatenate([keys[n // 2:n], keys[n:n + n // 2]])  # half stored, half new
+    mixed_keys = np.concatenate([keys[n // 2 : n], keys[n : n + n // 2]])  # half stored, half new
     mixed = rng.standard_normal((n, dim)).astype(np.float32)
     t.insert(tf.constant(mixed_keys), tf.constant(mixed))
     expect = dict(zip(keys[:n].tolist(), first))
     expect.update(zip(mixed_keys.tolist(), mixed))
-    probe = np.concatenate([keys[:n + n // 2], keys[n + n // 2:]])  # stored, then missing
+    probe = np.concatenate([keys[: n + n // 2], keys[n + n // 2 :]])  # stored, then missing
     values, exists = t.find(tf.constant(probe), InitSpec("constant", 0.5, 0.0, 0))
     want = np.stack([expect.get(k, np.full(dim, 0.5, np.float32)) for k in probe.tolist()])
     np.testing.assert_array_equal(values.numpy(), want)
@@ -237,6 +239,7 @@ def test_bad_dtypes():
 
 
 # ---------------------------------------------------------------- state machine
+
 
 class TableMachine(RuleBasedStateMachine):
     """Random operation sequences on a backend and on the reference table."""
@@ -337,9 +340,11 @@ def test_redis_serving_view_names_an_unreachable_server():
         table = backend.create("serving_down", tf.int64, tf.float32, 2)
         view = RedisServingTable(table)
         view._attrs.update(servers=["127.0.0.1:1"], retries=1, connect_timeout_ms=200)
-        with pytest.raises(tf.errors.UnavailableError,
-                           match=r"tfde\.BackendUnavailableError: Redis at 127\.0\.0\.1:1 unreachable during find of "
-                                 r"table 'serving_down' after 2 attempts: cannot connect"):
+        with pytest.raises(
+            tf.errors.UnavailableError,
+            match=r"tfde\.BackendUnavailableError: Redis at 127\.0\.0\.1:1 unreachable during find of "
+            r"table 'serving_down' after 2 attempts: cannot connect",
+        ):
             view.find(tf.constant([1], tf.int64), INIT)
     finally:
         backend.cleanup()
@@ -380,6 +385,9 @@ def test_a_creator_comes_back_from_its_config(name):
 
 
 def test_a_config_naming_an_unknown_creator_is_refused():
-    with pytest.raises(tfde.ConfigError, match=r"unknown table creator 'MyCreator'.*CuckooTableCreator.*"
-                                               r"RedisTableCreator.*ReferenceTableCreator"):
+    with pytest.raises(
+        tfde.ConfigError,
+        match=r"unknown table creator 'MyCreator'.*CuckooTableCreator.*"
+        r"RedisTableCreator.*ReferenceTableCreator",
+    ):
         creator_from_config({"class_name": "MyCreator", "config": {}})

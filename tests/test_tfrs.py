@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
+from distributed_check import redis_tag
 
 import tfde
-from distributed_check import redis_tag
 
 pytestmark = pytest.mark.keras
 
@@ -42,16 +42,26 @@ class TwoTowerModel(tfrs.Model):
 
 
 def tower(name, creator):
-    return tf.keras.Sequential([
-        tfde.keras.layers.Embedding(32, key_dtype=tf.string, initializer=tf.random_uniform_initializer(),
-                                    name=name, table_creator=creator,
-                                    restrict_policy=tfde.FrequencyRestrictPolicy),
-        # Seeded: the metric's map builds the item tower before training, and
-        # unseeded weights would then draw other initial values.
-        tf.keras.layers.Dense(32, activation="gelu", kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2)),
-        tf.keras.layers.Dense(16, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3)),
-        tf.keras.layers.Lambda(lambda x: tf.math.l2_normalize(x, axis=1)),
-    ], name=f"{name}_model")
+    return tf.keras.Sequential(
+        [
+            tfde.keras.layers.Embedding(
+                32,
+                key_dtype=tf.string,
+                initializer=tf.random_uniform_initializer(),
+                name=name,
+                table_creator=creator,
+                restrict_policy=tfde.FrequencyRestrictPolicy,
+            ),
+            # Seeded: the metric's map builds the item tower before training, and
+            # unseeded weights would then draw other initial values.
+            tf.keras.layers.Dense(
+                32, activation="gelu", kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2)
+            ),
+            tf.keras.layers.Dense(16, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3)),
+            tf.keras.layers.Lambda(lambda x: tf.math.l2_normalize(x, axis=1)),
+        ],
+        name=f"{name}_model",
+    )
 
 
 def build(creator=None, metric="program"):
@@ -125,8 +135,11 @@ def test_the_programs_metric_equals_the_metric_with_training_false():
     evaluation = tf.data.Dataset.from_tensor_slices(ratings(256, seed=5)).batch(64)
     seen = model.evaluate(evaluation, return_dict=True, verbose=0)
     # The same towers, the metric computed with training=False.
-    model.task = tfrs.tasks.Retrieval(metrics=tfrs.metrics.FactorizedTopK(
-        tf.data.Dataset.from_tensor_slices(MOVIES).batch(128).map(lambda x: model.item_model(x, training=False))))
+    model.task = tfrs.tasks.Retrieval(
+        metrics=tfrs.metrics.FactorizedTopK(
+            tf.data.Dataset.from_tensor_slices(MOVIES).batch(128).map(lambda x: model.item_model(x, training=False))
+        )
+    )
     model.compile(optimizer=model.optimizer)
     expected = model.evaluate(evaluation, return_dict=True, verbose=0)
     top = [k for k in expected if "top_" in k]

@@ -8,7 +8,6 @@ import pytest
 import tensorflow as tf
 
 import tfde
-from tfde.tables import ReferenceTableCreator
 
 
 def test_docstring_example():
@@ -43,22 +42,31 @@ def test_initial_rows_are_deterministic_per_key_and_seed():
 
 
 def test_initial_rows_agree_across_processes():
-    code = ("import tfde, tensorflow as tf; v = tfde.Variable('user', dim=4); "
-            "print(v.lookup(tf.constant([12345], tf.int64)).numpy().tobytes().hex())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-            for _ in range(2)}
+    code = (
+        "import tfde, tensorflow as tf; v = tfde.Variable('user', dim=4); "
+        "print(v.lookup(tf.constant([12345], tf.int64)).numpy().tobytes().hex())"
+    )
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        for _ in range(2)
+    }
     assert len(outs) == 1
 
 
-@pytest.mark.parametrize("init,check", [
-    (0.5, lambda r: np.all(r == 0.5)),
-    ("zeros", lambda r: np.all(r == 0)),
-    (tf.random_uniform_initializer(-0.1, 0.1), lambda r: r.min() >= -0.1 and r.max() < 0.1),
-    (tf.keras.initializers.TruncatedNormal(stddev=0.01), lambda r: np.abs(r).max() <= 0.02 + 1e-7),
-    (tf.keras.initializers.GlorotUniform(), lambda r: np.abs(r).max() <= np.sqrt(6 / 16)),
-    (tfde.initializers.PerKey(lambda k: tf.cast(k, tf.float32)[:, None] * tf.ones([1, 8])),
-     lambda r: r[3, 0] == 3.0),
-])
+@pytest.mark.parametrize(
+    "init,check",
+    [
+        (0.5, lambda r: np.all(r == 0.5)),
+        ("zeros", lambda r: np.all(r == 0)),
+        (tf.random_uniform_initializer(-0.1, 0.1), lambda r: r.min() >= -0.1 and r.max() < 0.1),
+        (tf.keras.initializers.TruncatedNormal(stddev=0.01), lambda r: np.abs(r).max() <= 0.02 + 1e-7),
+        (tf.keras.initializers.GlorotUniform(), lambda r: np.abs(r).max() <= np.sqrt(6 / 16)),
+        (
+            tfde.initializers.PerKey(lambda k: tf.cast(k, tf.float32)[:, None] * tf.ones([1, 8])),
+            lambda r: r[3, 0] == 3.0,
+        ),
+    ],
+)
 def test_initializers(init, check):
     v = tfde.Variable("init", dim=8, initializer=init)
     assert check(v.lookup(tf.range(200, dtype=tf.int64)).numpy())
@@ -155,8 +163,11 @@ def test_a_served_variable_reads_the_serving_tables_and_refuses_writes():
     with var.serving_from([serving]):
         rows, exists = var.lookup(tf.constant([1, 2, 3], tf.int64), return_exists=True)
         assert rows.numpy().tolist() == [[7, 7], [0, 0], [7, 7]] and exists.numpy().tolist() == [True, False, True]
-        for write in (lambda: var.upsert(tf.constant([5], tf.int64), tf.ones([1, 2])),
-                      lambda: var.remove(tf.constant([1], tf.int64)), var.clear):
+        for write in (
+            lambda: var.upsert(tf.constant([5], tf.int64), tf.ones([1, 2])),
+            lambda: var.remove(tf.constant([1], tf.int64)),
+            var.clear,
+        ):
             with pytest.raises(tfde.ConfigError, match="read-only while it is served"):
                 write()
         with pytest.raises(tfde.ConfigError, match="served from other tables already"):

@@ -2,7 +2,7 @@
 
 Key -> row stores that grow as new ids appear (an in-process cuckoo hash
 table by default), Keras layers over them, and an optimizer wrapper that
-updates only the rows a batch touched.  See README.md.
+updates only the rows a batch touched.  See README.md and docs/guide.md.
 """
 
 __version__ = "0.1.0"  # the one place it is written (pyproject.toml reads it)

@@ -20,7 +20,7 @@ def _launch(args, argv) -> int:
     if args.keras != "tf-keras":
         print(
             "--workers trains with tf-keras: Keras 3's model.fit fails under MultiWorkerMirroredStrategy and "
-            "Horovod supports tf-keras only (README, 'Distributed training')"
+            "Horovod supports tf-keras only (docs/distributed.md)"
         )
         worker_argv += ["--keras", "tf-keras"]
     return run_local(worker_argv, args.workers, args.engine, env=env)

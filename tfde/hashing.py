@@ -1,6 +1,6 @@
 """The stable key hash (docs/design.md, decision 4) and shard routing.
 
-The definition lives in backends/cuckoo/hash.h and the README; this module
+The definition lives in backends/cuckoo/hash.h and docs/formats.md ('The stable key hash'); this module
 holds a numpy reference implementation (the tests compare it with the native
 op bit for bit) and TensorFlow wrappers around the native op.  The hash is part
 of tfde's on-disk and in-Redis format and never changes silently.

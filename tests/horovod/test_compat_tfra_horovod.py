@@ -25,8 +25,9 @@ def test_hvd_all_to_all_embedding_in_a_one_worker_horovod_job(monkeypatch):
         with pytest.raises(tfde.ConfigError, match="Horovod is not initialised: call hvd.init\\(\\)"):
             de.keras.layers.HvdAllToAllEmbedding(embedding_size=4)
         hvd.init()
-    layer = de.keras.layers.HvdAllToAllEmbedding(embedding_size=4, key_dtype=tf.int64, devices=["CPU"],
-                                                 name="hvd-a2a", mpi_size=hvd.size())
+    layer = de.keras.layers.HvdAllToAllEmbedding(
+        embedding_size=4, key_dtype=tf.int64, devices=["CPU"], name="hvd-a2a", mpi_size=hvd.size()
+    )
     assert isinstance(tfde.exchange.installed(), HorovodExchange)
     assert type(layer) is tfde.keras.layers.Embedding
     assert layer(tf.constant([1, 2], tf.int64)).shape == (2, 4)

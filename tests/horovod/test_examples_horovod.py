@@ -27,12 +27,37 @@ STEPS = 3
 
 def launch(data, checkpoints):
     horovodrun = shutil.which("horovodrun", path=str(Path(sys.executable).parent)) or "horovodrun"
-    command = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(EXAMPLE), data,
-               checkpoints, "--epochs", "1", "--steps", str(STEPS), "--batch-size", "128", "--max-rows", "200"]
+    command = [
+        horovodrun,
+        "-np",
+        "2",
+        "-H",
+        "localhost:2",
+        "--gloo",
+        sys.executable,
+        str(EXAMPLE),
+        data,
+        checkpoints,
+        "--epochs",
+        "1",
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        "128",
+        "--max-rows",
+        "200",
+    ]
     env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
     try:
-        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              timeout=TIMEOUT_S, cwd=EXAMPLE.parents[1])
+        proc = subprocess.run(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            timeout=TIMEOUT_S,
+            cwd=EXAMPLE.parents[1],
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"horovodrun did not finish in {TIMEOUT_S}s:\n{(e.output or '')[-5000:]}")
     assert proc.returncode == 0, proc.stdout[-6000:]
@@ -58,7 +83,8 @@ def test_horovod_example_trains_and_resumes_from_its_checkpoint(tmp_path):
     manifest = json.loads(Path(saved, "manifest.json").read_text())
     assert manifest["workers"] == 2, manifest
     assert {f for f in os.listdir(saved) if f.startswith("worker-")} >= {
-        f"worker-{r:05d}-of-00002.index" for r in (0, 1)}, os.listdir(saved)
+        f"worker-{r:05d}-of-00002.index" for r in (0, 1)
+    }, os.listdir(saved)
 
     second = launch(data, checkpoints)
     assert per_rank(second, r"resumed from (\S+)") == {0: saved, 1: saved}

@@ -14,10 +14,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from distributed_check import JobFailed, check_equal, check_sharded, redis_tag, run_job  # noqa: E402
-
 import horovod.tensorflow.keras as hvd_keras  # noqa: E402  (a missing Horovod fails here, loudly)
 import tensorflow as tf  # noqa: E402
+from distributed_check import JobFailed, check_equal, check_sharded, redis_tag, run_job  # noqa: E402
 
 import tfde  # noqa: E402
 
@@ -30,8 +29,9 @@ def tag():
         yield t
 
 
-@pytest.mark.parametrize("optimizer,layout", [("sgd", "cuckoo"), ("adam", "cuckoo"), ("sgd", "redis"),
-                                              ("adam", "redis")])
+@pytest.mark.parametrize(
+    "optimizer,layout", [("sgd", "cuckoo"), ("adam", "cuckoo"), ("sgd", "redis"), ("adam", "redis")]
+)
 def test_two_horovod_workers_equal_one_worker(tmp_path, tag, optimizer, layout):
     one = run_job(tmp_path, 1, "hvd", optimizer, layout, tag)
     two = run_job(tmp_path, 2, "hvd", optimizer, layout, tag)
@@ -40,11 +40,14 @@ def test_two_horovod_workers_equal_one_worker(tmp_path, tag, optimizer, layout):
         check_sharded(tmp_path, 2)
 
 
-@pytest.mark.parametrize("model,wrap,optimizer,layout", [
-    ("tfrs", True, "adam", "cuckoo"),          # the README's recipe with a tfrs.Model
-    ("tfrs", False, "sgd", "redis"),           # TFRA programs' way: the tfde optimizer alone
-    ("custom_step", True, "sgd", "cuckoo"),    # a train_step of one's own calling apply_gradients
-])
+@pytest.mark.parametrize(
+    "model,wrap,optimizer,layout",
+    [
+        ("tfrs", True, "adam", "cuckoo"),  # docs/distributed.md's recipe with a tfrs.Model
+        ("tfrs", False, "sgd", "redis"),  # TFRA programs' way: the tfde optimizer alone
+        ("custom_step", True, "sgd", "cuckoo"),  # a train_step of one's own calling apply_gradients
+    ],
+)
 def test_any_train_step_is_exact(tmp_path, tag, model, wrap, optimizer, layout):
     """tfrs.Model.train_step and custom steps call tape.gradient and
     apply_gradients, not minimize, so Horovod's DistributedOptimizer averages
@@ -60,8 +63,9 @@ def test_any_train_step_is_exact(tmp_path, tag, model, wrap, optimizer, layout):
 
 def test_wrapping_order_is_named_when_reversed():
     opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(0.01))
-    with pytest.raises(tfde.UnsupportedOptimizerError,
-                       match=r"hvd.DistributedOptimizer\(tfde.DynamicEmbeddingOptimizer\(opt\)\)"):
+    with pytest.raises(
+        tfde.UnsupportedOptimizerError, match=r"hvd.DistributedOptimizer\(tfde.DynamicEmbeddingOptimizer\(opt\)\)"
+    ):
         tfde.DynamicEmbeddingOptimizer(opt)
 
 
@@ -74,8 +78,11 @@ def test_an_unwrapped_optimizer_is_told_the_horovod_wrapping():
     model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, initializer=0.5), tf.keras.layers.Dense(1)])
     model.compile(loss="mse", optimizer=tf.keras.optimizers.Adam(0.1))
     data = tf.data.Dataset.from_tensor_slices((np.arange(8, dtype=np.int64), np.ones(8, np.float32))).batch(4)
-    with pytest.raises(tfde.UnsupportedOptimizerError, match=r"not wrapped by tfde.DynamicEmbeddingOptimizer.*"
-                                                             r"hvd.DistributedOptimizer\(tfde.DynamicEmbeddingOptimizer"):
+    with pytest.raises(
+        tfde.UnsupportedOptimizerError,
+        match=r"not wrapped by tfde.DynamicEmbeddingOptimizer.*"
+        r"hvd.DistributedOptimizer\(tfde.DynamicEmbeddingOptimizer",
+    ):
         model.fit(data, epochs=1, verbose=0)
 
 
@@ -108,9 +115,9 @@ def test_restriction_and_admission_decide_as_one_worker(tmp_path, tag, layout, a
 def test_horovod_checkpoint_restores_into_another_worker_count(tmp_path, tag):
     """Each Horovod worker writes its own shard files (tfde.saving.CheckpointManager);
     2 -> 1 and 1 -> 2 workers restore and train on like 1 -> 1."""
+
     def job(workers, name, **extra):
-        return run_job(tmp_path, workers, "hvd", "adam", "cuckoo", tag,
-                       extra={"out": str(tmp_path / name), **extra})
+        return run_job(tmp_path, workers, "hvd", "adam", "cuckoo", tag, extra={"out": str(tmp_path / name), **extra})
 
     job(1, "first1", save_dir=str(tmp_path / "ck1"))
     job(2, "first2", save_dir=str(tmp_path / "ck2"))
@@ -126,9 +133,9 @@ def test_per_worker_checkpoint_directories(tmp_path, tag):
     and restores its part in its own directory, and training resumes as from
     one shared directory; restoring such a part into another number of
     workers is refused, naming the shared directory as the fix."""
+
     def job(workers, name, **extra):
-        return run_job(tmp_path, workers, "hvd", "adam", "cuckoo", tag,
-                       extra={"out": str(tmp_path / name), **extra})
+        return run_job(tmp_path, workers, "hvd", "adam", "cuckoo", tag, extra={"out": str(tmp_path / name), **extra})
 
     job(2, "first_own", save_dir=str(tmp_path / "model_dir_{rank}"))
     job(2, "first_shared", save_dir=str(tmp_path / "shared"))
@@ -137,8 +144,10 @@ def test_per_worker_checkpoint_directories(tmp_path, tag):
         assert (own / "checkpoint.json").exists()
         assert [p.name for p in own.glob("ckpt-*/*.index")] == [f"worker-0000{rank}-of-00002.index"]
         assert not list(own.glob("*.partial"))
-    check_equal(job(2, "from_shared", restore_dir=str(tmp_path / "shared")),
-                job(2, "from_own", restore_dir=str(tmp_path / "model_dir_{rank}")))
+    check_equal(
+        job(2, "from_shared", restore_dir=str(tmp_path / "shared")),
+        job(2, "from_own", restore_dir=str(tmp_path / "model_dir_{rank}")),
+    )
     with pytest.raises(JobFailed) as failed:
         job(1, "one", restore_dir=str(tmp_path / "model_dir_0"))
     assert "save to one directory all workers share" in failed.value.output, failed.value.output[-3000:]
@@ -150,5 +159,7 @@ def test_autograph_leaves_tf_keras_alone_on_tf_2_16():
     of 0.2 s); tfde adds the rule TF 2.21 has."""
     from tensorflow.python.autograph.core import config
 
-    assert any(isinstance(r, config.DoNotConvert) and r.matches("tf_keras.src.engine.training")
-               for r in config.CONVERSION_RULES)
+    assert any(
+        isinstance(r, config.DoNotConvert) and r.matches("tf_keras.src.engine.training")
+        for r in config.CONVERSION_RULES
+    )

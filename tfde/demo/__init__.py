@@ -1,1 +1,1 @@
-"""The demo two-tower retrieval model (the README's main command)."""
+"""The demo two-tower retrieval model (the README's main command; docs/demo.md)."""

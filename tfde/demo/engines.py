@@ -32,7 +32,7 @@ class Engine:
                 raise ConfigError(
                     "the demo trains with model.fit, which Keras 3 cannot run under MultiWorkerMirroredStrategy "
                     "(it fails inside Keras even for a Dense model); use tf-keras (--keras tf-keras) or a custom "
-                    "loop (README, 'Distributed training')"
+                    "loop (docs/distributed.md, 'MultiWorkerMirroredStrategy')"
                 )
             self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
             resolver = self.strategy.cluster_resolver

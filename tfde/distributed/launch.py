@@ -9,7 +9,7 @@ localhost:N --gloo python -m tfde_cli ...`.  Either way the exit status is the
 first failure's, and when one worker fails the others are stopped rather than
 left waiting for it.  On several machines, start the same command yourself on
 each with TF_CONFIG listing every worker, or with horovodrun -H host1:1,host2:1
-(see the README, 'Distributed training').
+(see docs/distributed.md, 'Launching').
 """
 
 from __future__ import annotations

@@ -317,7 +317,7 @@ def _check_one_replica_per_process(strategy):
         raise ConfigError(
             f"tfde trains with one replica per process, but {type(strategy).__name__} runs "
             f"{len(devices)} replicas here ({', '.join(devices)}); use MultiWorkerMirroredStrategy with one device "
-            "per worker process (see the README, 'Distributed training')"
+            "per worker process (see docs/distributed.md, 'MultiWorkerMirroredStrategy')"
         )
 
 

@@ -8,7 +8,7 @@ Without it Keras 3 reports "Could not locate class 'Embedding'" inside a
 "could not be deserialized properly" error whose config shows
 ``'module': 'tfde.keras.layers'``, and tf-keras takes the layer for its
 own Embedding and fails with ``KeyError: 'input_dim'``; tfde cannot run
-code before it is imported to say more (README, "Saving").
+code before it is imported to say more (docs/saving.md, "Loading Keras files").
 
 A ``.keras`` file records the Keras that wrote it (metadata.json,
 "keras_version"): Keras 3 and tf-keras (2.x) cannot read each other's model

@@ -1,4 +1,4 @@
-"""Saving, restoring and exporting tfde Variables (README, 'Saving').
+"""Saving, restoring and exporting tfde Variables (docs/saving.md).
 
 * tf.train.Checkpoint / CheckpointManager, tf-keras save_weights: tfde's
   registered checkpoint saver streams every Variable (tfde/saving/registered.py);

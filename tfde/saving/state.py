@@ -140,7 +140,7 @@ def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
     checkpoint).  Every worker of a job calls it; each keeps the keys it owns
     now.
 
-    A refused restore changes nothing (docs: README, 'Saving'): every chunk
+    A refused restore changes nothing (docs/saving.md, 'A refused restore changes nothing'): every chunk
     is read and checked first (checksum, shape, row counts; one chunk in
     memory at a time), and only when the whole checkpoint is known good are
     the tables cleared and filled from a second read.  (A store that fails

@@ -1,6 +1,6 @@
 """The Redis backend's configuration: TFRA's ``redis.config`` JSON, unchanged.
 
-Every field keeps TFRA's name; units are in the table below (and README).
+Every field keeps TFRA's name; units are in the table below (and docs/redis.md, 'The JSON config').
 Unknown fields warn; a wrong type or value raises ConfigError naming the
 field and the expected form.  Passwords never appear in repr() or errors.
 """
@@ -52,7 +52,7 @@ class RedisTableConfig:
     storage_slice: buckets (Redis hashes) per table; storage_slice_import
       the bucket count of the tables named by model_tag_import.
     using_hash_storage_slice: TFRA's bucket choice flag; tfde always routes
-      by its stable hash (README), so this is accepted and ignored.
+      by its stable hash (docs/formats.md, 'The stable key hash'), so this is accepted and ignored.
     keys_sending_size: keys per pipelined command chunk.
     using_md5_prefix_name: prefix hash names with an md5 of the model tag.
     redis_hash_tags_hypodispersion: TFRA flag, accepted and ignored.

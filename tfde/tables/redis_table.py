@@ -1,6 +1,6 @@
 """Redis-backed tables (standalone, sentinel or cluster; configured by a TFRA-format JSON).
 
-Layout (documented in the README so other programs can read it):
+Layout (documented in docs/formats.md, 'Redis: the key/value layout', so other programs can read it):
   * a table is `storage_slice` Redis hashes ("buckets") named
     ``{model_tag_runtime}:{table name}:{hash tag}``; the hash tag of bucket b
     is ``redis_hash_tags_runtime[b]`` (default ``{b}``), so in a cluster each

@@ -129,7 +129,8 @@ def variable_kwargs(
         "partitioner",
         partitioner,
         None,
-        "tfde routes keys to its tables by its stable hash (README, 'The stable key hash'); num_shards= sets how many",
+        "tfde routes keys to its tables by its stable hash (docs/formats.md, 'The stable key hash'); "
+        "num_shards= sets how many",
     )
     require(where, "checkpoint", checkpoint, True, "tfde always saves a table with the model or Variable")
     require(
