@@ -1,13 +1,5 @@
 """The `tfde` command (docs/install.md).
 
-  tfde train [--data ratings.csv] [--epochs N] ...   train the demo two-tower model
-  tfde train --workers 2 [--engine mwms|horovod]     ... with 2 synchronous worker processes
-  tfde make-data DIR [--ratings N] [--seed S]        write synthetic MovieLens CSVs (ratings.csv, movies.csv)
-  tfde build [--force]                               compile the op library now (for images)
-
-TensorFlow's own log lines are off unless --tf-logs is given (or
-TF_CPP_MIN_LOG_LEVEL is set).
-
 This module sits outside the tfde package on purpose: importing anything
 from tfde imports TensorFlow (seconds), so the arguments are parsed, --help
 answered and the environment TensorFlow reads at import set (its log level;
@@ -21,18 +13,32 @@ import contextlib
 import os
 import re
 import sys
-import tempfile
+import threading
+
+USAGE = """\
+  tfde train [--data ratings.csv] [--epochs N] ...   train the demo two-tower model
+  tfde train --workers 2 [--engine mwms|horovod]     ... with 2 synchronous worker processes
+  tfde make-data DIR [--ratings N] [--seed S]        write synthetic MovieLens CSVs (ratings.csv, movies.csv)
+  tfde build [--force]                               compile the op library now (for images)
+
+TensorFlow's informational and warning log lines are off unless --tf-logs
+is given or TF_CPP_MIN_LOG_LEVEL is set; its errors are always shown.
+"""
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tfde",
-        description=__doc__.split("\n\nThis module")[0],
+        description=USAGE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--tf-logs", action="store_true", help="show TensorFlow's C++ log lines and warnings")
+    logs = argparse.ArgumentParser(add_help=False)  # --tf-logs before or after the command
+    logs.add_argument(
+        "--tf-logs", action="store_true", default=argparse.SUPPRESS, help="show TensorFlow's log lines and warnings"
+    )
+    p.add_argument("--tf-logs", action="store_true", default=False, help="show TensorFlow's log lines and warnings")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the demo two-tower model")
+    t = sub.add_parser("train", help="train the demo two-tower model", parents=[logs])
     t.add_argument("--data", help="MovieLens ratings CSV (userId,movieId,rating,timestamp); default: synthetic")
     t.add_argument("--interactions", type=int, default=1_000_000)
     t.add_argument("--users", type=int, default=50_000)
@@ -86,25 +92,26 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure the multi-worker exchange (bytes and time in collectives per step)",
     )
-    d = sub.add_parser("make-data", help="write the synthetic data as MovieLens CSV files (what examples/ read)")
+    d = sub.add_parser(
+        "make-data", parents=[logs], help="write the synthetic data as MovieLens CSV files (what examples/ read)"
+    )
     d.add_argument("directory", help="where ratings.csv and movies.csv go (made if missing; files there are replaced)")
     d.add_argument("--ratings", type=int, default=100_000, help="ratings to write")
     d.add_argument("--users", type=int, default=1_000)
     d.add_argument("--movies", type=int, default=1_700, help="movies in the catalogue (movies.csv)")
     d.add_argument("--seed", type=int, default=0)
-    b = sub.add_parser("build", help="compile the native op library for the installed TensorFlow")
+    b = sub.add_parser("build", parents=[logs], help="compile the native op library for the installed TensorFlow")
     b.add_argument("--force", action="store_true")
     return p
 
 
-def quiet_tensorflow(show_logs: bool) -> None:
-    """TensorFlow's C++ logs (oneDNN, CUDA probing, absl) and the Python
-    warnings of TensorFlow and Keras reach the terminal only when asked for.
-    Only before TensorFlow is imported (the `tfde` script): a program that
-    calls main() keeps its own settings."""
-    if show_logs or "tensorflow" in sys.modules:
-        return
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+def quiet_tensorflow() -> None:
+    """TensorFlow's informational and warning log lines (oneDNN, CUDA
+    probing) and the Python warnings of TensorFlow and Keras stay off the
+    terminal; its errors still show.  The caller decides when (main: not
+    with --tf-logs, nor when the user set TF_CPP_MIN_LOG_LEVEL, nor once
+    TensorFlow is imported, when it is too late and the program's own)."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"  # the --workers processes inherit it
     import warnings
 
     for package in ("tensorflow", "keras", "tf_keras", "tensorflow_recommenders", "absl"):
@@ -117,10 +124,11 @@ def quiet_tensorflow(show_logs: bool) -> None:
 # 00:00:1796157516.247052 17143 cudart_stub.cc:31] ...", with absl's notice
 # before them; the seconds are not yet a time of day then) and
 # TensorFlow's own ("2026-12-01 20:32:12.543713: E external/...").
+# Only informational and warning lines: errors and fatal lines pass.
 _TF_IMPORT_NOISE = re.compile(
     r"WARNING: All log messages before absl::InitializeLog\(\) is called"
-    r"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w./-]+:\d+\]"
-    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] "
+    r"|[IW]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w./-]+:\d+\]"
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IW] "
 )
 
 
@@ -134,40 +142,56 @@ def _flush_c_stdio() -> None:
 
 
 @contextlib.contextmanager
-def _tensorflow_lines_dropped(drop: bool):
-    """Within: what is written to fd 2 is held back, then written out without
-    TensorFlow's import-time lines; all of it when the block raised."""
-    if not drop:
+def _tensorflow_lines_dropped():
+    """Within: what is written to fd 2 passes through a filter that drops
+    TensorFlow's informational import-time lines and forwards every other
+    line as it comes (so a crash inside loses nothing it wrote).  Where fd 2
+    cannot be redirected (closed, not a file), nothing is filtered."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        read_end, write_end = os.pipe()
+    except (OSError, AttributeError, ValueError):
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        failed = True
-        try:
-            yield
-            failed = False
-        finally:
-            sys.stderr.flush()
-            _flush_c_stdio()  # absl writes through C's buffered stderr
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            for line in held.read().decode(errors="replace").splitlines(keepends=True):
-                if failed or not _TF_IMPORT_NOISE.match(line):
-                    sys.stderr.write(line)
-            sys.stderr.flush()
+
+    def forward():
+        with os.fdopen(read_end, "rb") as lines, os.fdopen(saved, "wb", buffering=0, closefd=False) as out:
+            for line in lines:
+                if not _TF_IMPORT_NOISE.match(line.decode(errors="replace")):
+                    out.write(line)
+
+    reader = threading.Thread(target=forward, name="tfde-stderr-filter", daemon=True)
+    reader.start()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        _flush_c_stdio()  # absl writes through C's buffered stderr
+        os.dup2(saved, 2)  # closes the pipe's last write end: the reader drains and stops
+        reader.join(timeout=10)
+        os.close(saved)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     args.argv = argv
-    quiet_tensorflow(args.tf_logs)
-    if getattr(args, "keras", None) == "tf-keras" and "tensorflow" not in sys.modules:
+    if "tensorflow" in sys.modules:  # main() called by a program: its settings stand
+        from tfde import cli
+
+        return cli.run(args)
+    if getattr(args, "keras", None) == "tf-keras":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"  # read when TensorFlow is imported, which is next
-    with _tensorflow_lines_dropped(not args.tf_logs and "tensorflow" not in sys.modules):
+    quiet = not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+    if not quiet:
+        from tfde import cli
+
+        return cli.run(args)
+    quiet_tensorflow()
+    with _tensorflow_lines_dropped():
         from tfde import cli
     return cli.run(args)
 

@@ -34,8 +34,21 @@ def test_import_without_tensorflow_names_the_install_command(tmp_path):
     )
     out = _python(blocker, tmp_path)
     assert out.returncode != 0
-    assert "ImportError: tfde needs TensorFlow >= 2.16, which cannot be imported" in out.stderr, out.stderr[-2000:]
-    assert "pip install 'tfde[cpu]'" in out.stderr and "pip install 'tfde[tfrs]'" in out.stderr
+    # TensorFlow is installed here, so the message says so and names its reinstall (not a second distribution).
+    found = _install.installed_tf_distributions()
+    name, version = sorted(found.items())[0]
+    assert f"ImportError: TensorFlow is installed ({name} {version}) but cannot be imported" in out.stderr, out.stderr[
+        -2000:
+    ]
+    assert f"pip install --force-reinstall '{name}=={version}'" in out.stderr
+
+
+def test_no_tensorflow_at_all_names_what_to_install(monkeypatch):
+    monkeypatch.setattr(_install, "installed_tf_distributions", lambda: {})
+    message = str(_install.missing_tensorflow(ModuleNotFoundError("No module named 'tensorflow'")))
+    assert "which is not installed" in message
+    assert "pip install 'tensorflow-cpu>=2.16'" in message and "pip install 'tensorflow>=2.16'" in message
+    assert "pip install '.[cpu]'" in message
 
 
 def test_two_tensorflow_distributions_of_different_versions_are_refused(tmp_path):
@@ -63,7 +76,8 @@ def test_one_distribution_or_two_of_one_version_pass():
 
 def test_an_old_tensorflow_is_refused_with_the_upgrade():
     _install.check_version("2.16.0")
-    with pytest.raises(ImportError, match=r"tfde needs TensorFlow >= 2.16, found 2.15.1; upgrade with pip install"):
+    name = sorted(_install.installed_tf_distributions())[0]
+    with pytest.raises(ImportError, match=rf"found 2.15.1; upgrade it: pip install -U '{name}>=2.16'"):
         _install.check_version("2.15.1")
 
 
@@ -91,7 +105,8 @@ def test_the_command_answers_help_without_importing_tensorflow(tmp_path):
 
 def test_the_command_prints_only_its_own_output(tmp_path):
     """`tfde make-data` (imports tfde and so TensorFlow): no TensorFlow log
-    line or Python warning reaches the terminal unless --tf-logs asks."""
+    line or Python warning reaches the terminal unless --tf-logs asks (before
+    or after the command)."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "tfde_cli", "make-data", str(tmp_path / "d"), "--ratings", "50"]

@@ -391,3 +391,17 @@ def test_a_config_naming_an_unknown_creator_is_refused():
         r"RedisTableCreator.*ReferenceTableCreator",
     ):
         creator_from_config({"class_name": "MyCreator", "config": {}})
+
+
+def test_a_second_creator_class_of_a_registered_name_is_refused():
+    from tfde.tables.base import register_creator
+
+    class CuckooTableCreator(tfde.tables.CuckooTableCreator):  # same name, another class
+        pass
+
+    with pytest.raises(tfde.ConfigError, match="named 'CuckooTableCreator' is registered already"):
+        register_creator(CuckooTableCreator)
+    assert (
+        creator_from_config({"class_name": "CuckooTableCreator", "config": {}}).__class__
+        is tfde.tables.CuckooTableCreator
+    )

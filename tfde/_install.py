@@ -12,9 +12,11 @@ MIN_TF = (2, 16)
 # The distributions that install the `tensorflow` package; each overwrites
 # the files of another installed next to it.
 TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu")
+# What to install when no TensorFlow is there (docs/install.md): from the
+# tfde checkout, `pip install ".[cpu]"` or `".[tfrs]"` bring the same.
 INSTALL = (
-    "pip install 'tfde[cpu]' (tensorflow-cpu, Keras 3 only) or pip install 'tfde[tfrs]' (tensorflow, "
-    "tf-keras and TensorFlow Recommenders)"
+    "pip install 'tensorflow-cpu>=2.16' (Keras 3 only) or pip install 'tensorflow>=2.16' (what tf-keras and "
+    "TensorFlow Recommenders need); from the tfde checkout, pip install '.[cpu]' or '.[tfrs]' does it"
 )
 
 
@@ -43,13 +45,29 @@ def check_distributions(found: Dict[str, str]) -> None:
 
 
 def missing_tensorflow(error: ImportError) -> ImportError:
+    """The ImportError of `import tensorflow` failing: none installed (what
+    to install), or one installed that cannot be imported (reinstall that
+    one: installing another distribution would mix two)."""
+    found = installed_tf_distributions()
+    if not found:
+        return ImportError(
+            f"tfde needs TensorFlow >= {MIN_TF[0]}.{MIN_TF[1]}, which is not installed ({error}); install it: {INSTALL}"
+        )
+    name, version = sorted(found.items())[0]
     return ImportError(
-        f"tfde needs TensorFlow >= {MIN_TF[0]}.{MIN_TF[1]}, which cannot be imported ({error}); "
-        f"install it with {INSTALL}"
+        f"TensorFlow is installed ({name} {version}) but cannot be imported: {error}; reinstall it: "
+        f"pip install --force-reinstall '{name}=={version}'"
     )
 
 
 def check_version(version: str) -> None:
+    """Refuses a TensorFlow older than MIN_TF, naming the upgrade of the
+    distribution that is installed (not another one beside it)."""
     major, minor = (int(x) for x in version.split(".")[:2])
     if (major, minor) < MIN_TF:
-        raise ImportError(f"tfde needs TensorFlow >= {MIN_TF[0]}.{MIN_TF[1]}, found {version}; upgrade with {INSTALL}")
+        found = installed_tf_distributions()
+        name = sorted(found)[0] if found else "tensorflow"
+        raise ImportError(
+            f"tfde needs TensorFlow >= {MIN_TF[0]}.{MIN_TF[1]}, found {version}; upgrade it: "
+            f"pip install -U '{name}>={MIN_TF[0]}.{MIN_TF[1]}'"
+        )

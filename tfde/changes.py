@@ -18,7 +18,7 @@ copy is harmless, missing an eviction is not).
 
 from __future__ import annotations
 
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import tensorflow as tf
 
@@ -54,7 +54,7 @@ class ChangeLog:
         (tfde.Variable._write_step), so a row is never stored unlabelled."""
         return {self.written: tf.fill([tf.size(keys), 1], tf.cast(step, tf.float64) + 1.0)}
 
-    def on_apply(self, keys, step) -> tf.Operation:
+    def on_apply(self, keys, step) -> Optional[tf.Operation]:
         """After the step's write: deletes the written keys' tombstones and
         advances the clock.  The tombstones live in a Variable of their own
         (they outlive the rows), so they cannot join that write: when this
@@ -63,7 +63,7 @@ class ChangeLog:
         label = tf.cast(step, tf.float64) + 1.0
         return tf.group(self.evicted.remove(keys), self.clock.assign(tf.maximum(self.clock, label)))
 
-    def on_remove(self, keys) -> tf.Operation:
+    def on_remove(self, keys) -> Optional[tf.Operation]:
         """Tombstones the stored ones of `keys` (called before removing them)."""
         _, stored = self.variable._find(keys)
         gone = tf.boolean_mask(keys, stored)

@@ -46,8 +46,9 @@ def shard_of_py(hash_u64: int, num_shards: int) -> int:
 # The low 32 bits of the hash route a key to its owning worker and to its
 # Redis bucket: ((h & 0xFFFFFFFF) * n) >> 32, independent of its shard
 # inside a Variable (the high bits).  Defined once per kind of caller: a
-# Python int, numpy arrays, TF tensors (backends/redis/ops.cc has the C++
-# one); tests/test_native_core.py pins them to each other.
+# Python int, numpy arrays, TF tensors (backends/cuckoo/hash.h RedisBucketOf
+# is the C++ one); tests/test_native_core.py pins them to each other, and
+# tests/test_redis.py the Python ones to the native ops.
 
 
 def route_low_py(hash_u64: int, n: int) -> int:

@@ -366,13 +366,13 @@ class Variable(tf.Module):
             return values, tf.reshape(exists, shape)
         return values
 
-    def upsert(self, keys: KeysLike, values: RowsLike) -> tf.Operation:
+    def upsert(self, keys: KeysLike, values: RowsLike) -> Optional[tf.Operation]:
         """Stores `values` (``keys.shape + [dim]``) under `keys`."""
         flat = self._flat_keys(keys)
         rows = self._counted(flat, self._rows_arg(values))
         return tf.group(self._for_each_shard(flat, rows, lambda t, k, r: t.insert(k, r)))
 
-    def accum(self, keys: KeysLike, deltas: RowsLike) -> tf.Operation:
+    def accum(self, keys: KeysLike, deltas: RowsLike) -> Optional[tf.Operation]:
         """Adds `deltas` to the rows of `keys`; a key not stored yet starts from
         its initial row.  Duplicated keys add up."""
         flat = self._flat_keys(keys)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import math
 import numbers
-from typing import Callable, Dict, Iterator, Optional, Tuple, Union
+from typing import Dict, Iterator, Optional, Tuple, Type, Union
 
 import numpy as np
 import tensorflow as tf
@@ -96,7 +96,9 @@ class Table:
     # None: the rows go into the checkpoint (when in_checkpoints).
     files_dir: Optional[str] = None
 
-    # ---- declared capabilities: every backend answers these (defaults here)
+    # ---- declared capabilities: every backend answers these (memory_bytes
+    # has no default: each backend says what it holds; the others default
+    # to what an in-process table answers)
 
     def memory_bytes(self) -> tf.Tensor:
         """Bytes of this process's memory the table holds (int64 scalar); 0
@@ -123,7 +125,7 @@ class Table:
         A missing key reads its row from `missing`; nothing is inserted."""
         raise NotImplementedError
 
-    def insert(self, keys: tf.Tensor, values: tf.Tensor) -> tf.Operation:
+    def insert(self, keys: tf.Tensor, values: tf.Tensor) -> Optional[tf.Operation]:
         """Upserts `values` ([n, dim]) under `keys`; the last duplicate wins."""
         raise NotImplementedError
 
@@ -148,7 +150,7 @@ class Table:
             ops.append(table.insert(keys, table_values))
         return [op for op in ops if op is not None]
 
-    def accum(self, keys: tf.Tensor, deltas: tf.Tensor, missing: Missing) -> tf.Operation:
+    def accum(self, keys: tf.Tensor, deltas: tf.Tensor, missing: Missing) -> Optional[tf.Operation]:
         """Adds `deltas` to the rows of `keys`; a missing key is inserted as
         its `missing` row plus its delta.  Duplicates all add."""
         raise NotImplementedError
@@ -181,7 +183,7 @@ class Table:
                 yield keys, values
             cursor = int(nxt)
 
-    def import_(self, keys: tf.Tensor, values: tf.Tensor, replace: bool = False) -> tf.Operation:
+    def import_(self, keys: tf.Tensor, values: tf.Tensor, replace: bool = False) -> Optional[tf.Operation]:
         """Inserts (keys, values); with replace=True clears the table first.
         Equivalent to clear() (if replace) followed by insert(), except that
         bad input (key dtype, row dtype or dim, as many rows as keys) is
@@ -217,11 +219,18 @@ class TableCreator(abc.ABC):
         return {}
 
 
-_CREATORS: Dict[str, Callable[[dict], TableCreator]] = {}
+_CREATORS: Dict[str, Type[TableCreator]] = {}
 
 
 def register_creator(cls):
-    """Class decorator: layer configs may name `cls` (by its class name)."""
+    """Class decorator: layer configs may name `cls` (by its class name).
+    A second class of the same name is refused: a config names one class."""
+    known = _CREATORS.get(cls.__name__)
+    if known is not None and known is not cls:
+        raise ConfigError(
+            f"a table creator named {cls.__name__!r} is registered already ({known.__module__}); "
+            "give yours another class name"
+        )
     _CREATORS[cls.__name__] = cls
     return cls
 
