@@ -61,3 +61,13 @@ def test_public_signatures_are_annotated(name):
     assert not bare, f"{name}: parameters without a type: {bare}"
     if not name.endswith("__init__"):
         assert signature.return_annotation is not inspect.Signature.empty, f"{name}: no return type"
+
+
+def test_every_error_class_is_exported_at_the_top():
+    """docs/guide.md names them as tfde.<Name> (tfde.BuildError once existed
+    only as tfde.errors.BuildError)."""
+    kinds = [c for c in vars(tfde.errors).values() if isinstance(c, type) and issubclass(c, tfde.errors.TfdeError)]
+    assert len(kinds) >= 9
+    missing = sorted(c.__name__ for c in kinds if getattr(tfde, c.__name__, None) is not c)
+    assert not missing, f"not exported as tfde.<name>: {missing}"
+    assert all(c.__name__ in tfde.__all__ for c in kinds)

@@ -23,6 +23,7 @@ from tfde.admission import AdmissionFilter, CounterFilter, ProbabilityFilter  # 
 from tfde.errors import (  # noqa: E402
     BackendError,
     BackendUnavailableError,
+    BuildError,
     CapacityError,
     CheckpointError,
     ConfigError,
@@ -75,6 +76,7 @@ __all__ = [
     "CapacityError",
     "BackendUnavailableError",
     "BackendError",
+    "BuildError",
     "CredentialsError",
     "UnsupportedOptimizerError",
     "distributed",
