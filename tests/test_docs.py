@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -32,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tfde.distributed.launch import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
@@ -173,17 +174,6 @@ def _quick(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def _free_ports(n: int) -> list:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _needed(variable: str, what: str) -> str:
     path = os.environ.get(variable, "")
     if not path or not Path(path).exists():
@@ -224,7 +214,7 @@ def runner_loopback(block: Block, cwd: Path):
     sections = re.split(r"(?m)^# on [\w.-]+:\n", block.text)[1:]
     assert len(sections) >= 2, f"{block.id}: no `# on HOST:` sections"
     hosts = sorted(set(re.findall(r"\b([a-z][\w-]*):(\d+)\b", block.text)))
-    ports = dict(zip(hosts, _free_ports(len(hosts))))
+    ports = dict(zip(hosts, free_ports(len(hosts))))
     procs = []
     try:
         for i, section in enumerate(sections):
