@@ -179,19 +179,15 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     args.argv = argv
-    if "tensorflow" in sys.modules:  # main() called by a program: its settings stand
-        from tfde import cli
-
-        return cli.run(args)
-    if getattr(args, "keras", None) == "tf-keras":
+    # Only the `tfde` script sets up the process: a program that calls
+    # main() has imported TensorFlow already, and its settings stand.
+    fresh = "tensorflow" not in sys.modules
+    if fresh and getattr(args, "keras", None) == "tf-keras":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"  # read when TensorFlow is imported, which is next
-    quiet = not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ
-    if not quiet:
-        from tfde import cli
-
-        return cli.run(args)
-    quiet_tensorflow()
-    with _tensorflow_lines_dropped():
+    quiet = fresh and not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+    if quiet:
+        quiet_tensorflow()
+    with _tensorflow_lines_dropped() if quiet else contextlib.nullcontext():
         from tfde import cli
     return cli.run(args)
 
