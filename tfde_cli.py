@@ -105,13 +105,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Set beside TF_CPP_MIN_LOG_LEVEL by quiet_tensorflow: the worker processes
+# of `tfde train --workers N` inherit both, and filter as their launcher did.
+_QUIETED = "TFDE_QUIETED_TF_LOGS"
+
+
 def quiet_tensorflow() -> None:
     """TensorFlow's informational and warning log lines (oneDNN, CUDA
     probing) and the Python warnings of TensorFlow and Keras stay off the
     terminal; its errors still show.  The caller decides when (main: not
     with --tf-logs, nor when the user set TF_CPP_MIN_LOG_LEVEL, nor once
     TensorFlow is imported, when it is too late and the program's own)."""
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"  # the --workers processes inherit it
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"  # the --workers processes inherit it,
+    os.environ[_QUIETED] = "1"  # and this says it was not the user who set it
     import warnings
 
     for package in ("tensorflow", "keras", "tf_keras", "tensorflow_recommenders", "absl"):
@@ -184,7 +190,8 @@ def main(argv=None) -> int:
     fresh = "tensorflow" not in sys.modules
     if fresh and getattr(args, "keras", None) == "tf-keras":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"  # read when TensorFlow is imported, which is next
-    quiet = fresh and not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+    user_level = "TF_CPP_MIN_LOG_LEVEL" in os.environ and os.environ.get(_QUIETED) != "1"
+    quiet = fresh and not args.tf_logs and not user_level
     if quiet:
         quiet_tensorflow()
     with _tensorflow_lines_dropped() if quiet else contextlib.nullcontext():

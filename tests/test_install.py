@@ -117,3 +117,28 @@ def test_the_command_prints_only_its_own_output(tmp_path):
         cmd[:3] + ["--tf-logs"] + cmd[3:], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert loud.returncode == 0 and loud.stdout.startswith("wrote 50 ratings")
+
+
+def test_worker_processes_stay_as_quiet_as_their_launcher(tmp_path):
+    """`tfde train --workers N` starts `python -m tfde_cli` children with the
+    launcher's environment, which holds the TF_CPP_MIN_LOG_LEVEL the launcher
+    set: a child filters as the launcher did (it once took the level for the
+    user's and printed TensorFlow's import lines)."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    code = (
+        "import subprocess, sys, tfde_cli\n"
+        "tfde_cli.quiet_tensorflow()\n"
+        f"r = subprocess.run([sys.executable, '-m', 'tfde_cli', 'make-data', {str(tmp_path / 'd')!r}, "
+        "'--ratings', '50'], capture_output=True, text=True)\n"
+        "sys.stdout.write(r.stdout)\n"
+        "sys.stderr.write(r.stderr)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.stdout.startswith("wrote 50 ratings") and out.stderr == "", out.stderr[-3000:]
