@@ -1,6 +1,6 @@
-"""Throwaway Redis deployments on loopback for the tests: a 3-master cluster
-and a master watched by a sentinel, each started once per test session on
-free ports and stopped at exit.  Traffic stays on 127.0.0.1."""
+"""Throwaway Redis deployments on loopback for the tests: a 3-master cluster,
+a master watched by a sentinel, and the same two with a replica, each
+started once per test session on free ports and stopped at exit.  Traffic stays on 127.0.0.1."""
 
 import atexit
 import shutil
@@ -187,6 +187,113 @@ def sentinel():
         port = _on_a_free_port(start)
         _cache["sentinel"] = (port, master)
     return _cache["sentinel"]
+
+
+def replica_of(master_port: int, extra=()) -> int:
+    """Port of a new replica of the server on master_port, once its link is
+    up.  It accepts writes of its own too (replica-read-only no), so a test
+    can plant a row only the replica holds and tell which server answered."""
+
+    def start(port):
+        proc = _server(
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--replicaof",
+            "127.0.0.1",
+            str(master_port),
+            "--replica-read-only",
+            "no",
+            "--dir",
+            tempfile.mkdtemp(prefix="tfde-replica-"),  # where the replica loads its master's snapshot
+            *extra,
+        )
+        _wait(
+            lambda: redis.Redis(port=port).info("replication").get("master_link_status") == "up",
+            f"replica on {port} of {master_port}",
+            proc=proc,
+        )
+
+    return _on_a_free_port(start)
+
+
+def sentinel_with_replica():
+    """(sentinel port, master port, replica port): a master with one replica,
+    watched as 'replicated' by a sentinel that reports the replica up."""
+    if "sentinel_with_replica" not in _cache:
+        master = standalone()
+        replica = replica_of(master)
+
+        def start(port):
+            conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
+            conf.write(f"port {port}\nbind 127.0.0.1\nsentinel monitor replicated 127.0.0.1 {master} 1\n")
+            conf.close()
+            proc = _server(conf.name, "--sentinel")
+
+            def replica_up():
+                found = redis.Redis(port=port).sentinel_slaves("replicated")
+                return any(int(r["port"]) == replica and not r["is_sdown"] for r in found)
+
+            _wait(replica_up, f"sentinel on {port} to see replica {replica}", proc=proc)
+
+        _cache["sentinel_with_replica"] = (_on_a_free_port(start), master, replica)
+    return _cache["sentinel_with_replica"]
+
+
+def cluster_with_replica():
+    """(master port, replica port): a cluster of one master holding every
+    slot and one replica of it (redis-cli --cluster create wants 3 masters;
+    this is built by hand: ADDSLOTSRANGE, MEET, REPLICATE)."""
+    if "cluster_with_replica" not in _cache:
+        work = tempfile.mkdtemp(prefix="tfde-cluster-replica-")
+
+        def start(p):
+            proc = _server(
+                "--port",
+                str(p),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{p}.conf",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--replica-read-only",
+                "no",
+                cwd=work,
+            )
+            _wait(lambda: redis.Redis(port=p).ping(), f"cluster node {p}", proc=proc)
+
+        master, replica = (_on_a_free_port(start, pick=cluster_port) for _ in range(2))
+        admin, follower = redis.Redis(port=master), redis.Redis(port=replica)
+        admin.execute_command("CLUSTER ADDSLOTSRANGE 0 16383")
+        follower.execute_command("CLUSTER MEET", "127.0.0.1", master)
+        master_id = admin.execute_command("CLUSTER MYID")
+        master_id = master_id.decode() if isinstance(master_id, bytes) else master_id
+
+        nodes = lambda: follower.execute_command("CLUSTER NODES")  # noqa: E731
+        _wait(lambda: master_id in str(nodes()), f"cluster node {replica} to meet {master}")
+        follower.execute_command("CLUSTER REPLICATE", master_id)
+        _wait(
+            lambda: follower.info("replication").get("master_link_status") == "up",
+            f"cluster replica {replica} of {master}",
+        )
+        _wait(lambda: _cluster_ok(master) and _cluster_ok(replica), "cluster_state:ok")
+        # The master learns of its replica by gossip: CLUSTER SLOTS lists it then.
+        _wait(
+            lambda: str(replica) in str(admin.execute_command("CLUSTER SLOTS")),
+            f"CLUSTER SLOTS of {master} to list replica {replica}",
+        )
+        _cache["cluster_with_replica"] = (master, replica)
+    return _cache["cluster_with_replica"]
 
 
 @atexit.register

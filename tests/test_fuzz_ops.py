@@ -31,6 +31,7 @@ from tfde import _native, hashing
 from tfde.errors import TfdeError
 from tfde.initializers import InitSpec, init_rows_reference
 from tfde.tables import CuckooTableCreator, ReferenceTableCreator
+from tfde.tables.redis_table import _ACCUM_LUA
 
 OPS = _native.load()
 FUZZ_SEED = int(os.environ.get("TFDE_FUZZ_SEED", "15"))
@@ -985,7 +986,7 @@ BAD_REDIS = (
     dim=st.sampled_from([1, 3]),
     steps=st.lists(
         st.tuples(
-            st.sampled_from(["find", "insert"]),
+            st.sampled_from(["find", "insert", "accum", "remove"]),
             st.one_of(st.none(), st.sampled_from(BAD_REDIS)),
             st.sampled_from([0, 1, 7, 30]),
             st.sampled_from((None,) + SPECS),
@@ -1033,6 +1034,42 @@ def test_redis_ops_answer_like_the_reference_or_refuse(
                 else:
                     assert int(answered("TfdeRedisInsert", mode, call)) == n
                     model.insert(keys, values)
+            elif op == "accum":
+                deltas = rows(rng, n, dim, value_dtype)
+                spec_, defaults, _ = _missing(model, spec, rng, n, True)
+                init_rows = model.missing(keys, spec_, defaults)
+                # deltas take the rows corruptions, the initial rows the defaults ones
+                init_bad = {"defaults_count": "rows_count", "defaults_dim": "rows_dim"}.get(bad)
+                call = lambda: run_op(
+                    mode,
+                    "tfde_redis_accum",
+                    keys_arg(keys, key_dtype, bad),
+                    rows_arg(deltas, value_dtype, None if init_bad else bad),
+                    rows_arg(np.ascontiguousarray(init_rows), value_dtype, init_bad),
+                    script=_ACCUM_LUA,
+                    marker_prefix=f"{prefix}-applied",  # outside redis_contents; the fixture deletes it
+                    marker_tags=["{0}", "{1}"],
+                    **attrs,
+                )
+                if bad:
+                    before = redis_contents(prefix)
+                    refused("TfdeRedisAccum", mode, call)
+                    assert redis_contents(prefix) == before, f"a refused accum ({bad}) wrote to Redis"
+                else:
+                    assert int(answered("TfdeRedisAccum", mode, call)) == n
+                    model.accum(keys, deltas, spec_, defaults)
+            elif op == "remove":
+                if not (bad is None or bad.startswith("keys_") or bad.endswith("_attr") or bad == "no_buckets"):
+                    bad = "keys_rank2"
+                call = lambda: run_op(
+                    mode, "tfde_redis_remove", keys_arg(keys, key_dtype, bad), Tvalue=value_dtype, **attrs
+                )
+                if bad:
+                    before = redis_contents(prefix)
+                    refused("TfdeRedisRemove", mode, call)
+                    assert redis_contents(prefix) == before, f"a refused remove ({bad}) changed Redis"
+                else:
+                    assert int(answered("TfdeRedisRemove", mode, call)) == model.remove(keys)
             else:
                 if bad in ("rows_count", "rows_dim", "rows_rank1"):
                     bad = "defaults_count"

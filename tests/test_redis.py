@@ -273,28 +273,6 @@ def test_dropped_connections_are_retried(tag):
     )
 
 
-def test_retried_accum_is_applied_once(tag, monkeypatch):
-    t = tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 2}).create("acc", tf.int64, tf.float32, 1)
-    original = redis.client.Pipeline.execute
-    failures = []
-
-    def execute_then_drop(self, *a, **k):
-        result = original(self, *a, **k)
-        if not failures:  # the scripts ran, but the reply is "lost"
-            failures.append(1)
-            raise redis.ConnectionError("connection dropped after the commands were sent")
-        return result
-
-    monkeypatch.setattr(redis.client.Pipeline, "execute", execute_then_drop)
-    t.accum(tf.constant([1, 2, 3], tf.int64), tf.ones([3, 1]), tfde.initializers.InitSpec("constant", 0.0))
-    monkeypatch.undo()
-    assert failures and t.find(tf.constant([1, 2, 3], tf.int64), tf.zeros([1, 1]))[0].numpy().ravel().tolist() == [
-        1.0,
-        1.0,
-        1.0,
-    ]
-
-
 def test_server_gone_for_good_names_server_and_operation():
     server = redis_servers.Restartable()
     var = tfde.Variable(
@@ -497,3 +475,56 @@ def test_timeout_beyond_the_native_clients_range_is_refused():
 def test_negative_durations_are_refused(field):
     with pytest.raises(tfde.ConfigError, match=f"{field} must be >= 0, got -1"):
         tfde.RedisTableConfig.from_dict({field: -1})
+
+
+# ------------------------------------------------------------ reads from replicas
+
+
+def _replica_config(mode: int) -> tuple:
+    """(config, master port, replica port) of a deployment with one replica."""
+    if mode == 1:
+        sentinel, master, replica = redis_servers.sentinel_with_replica()
+        config = {"redis_connection_mode": 1, "redis_master_name": "replicated", "redis_host_port": sentinel}
+    else:
+        master, replica = redis_servers.cluster_with_replica()
+        config = {"redis_connection_mode": 0, "redis_host_port": master}
+    return config, master, replica
+
+
+@pytest.mark.parametrize("mode", [1, 0], ids=["sentinel", "cluster"])
+def test_read_access_slave_reads_a_replica(mode):
+    """With redis_read_access_slave lookups read a replica (a row planted on
+    the replica alone is what they return, eagerly and in a graph), through
+    the same native client as everything else; writes, accum, remove and
+    size go to the master.  Without it, lookups read the master."""
+    config, master, replica = _replica_config(mode)
+    tag = f"tfde-replica-{uuid.uuid4().hex[:8]}"
+    on_replica = tfde.RedisTableCreator({**config, "model_tag_runtime": tag, "redis_read_access_slave": True})
+    on_master = tfde.RedisTableCreator({**config, "model_tag_runtime": tag})
+    reader = on_replica.create("t", tf.int64, tf.float32, 2)
+    writer = on_master.create("t", tf.int64, tf.float32, 2)
+    keys = tf.constant([1, 2, 3], tf.int64)
+    reader.insert(keys, tf.constant([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]))
+    reader.accum(keys[:1], tf.ones([1, 2]), tf.zeros([1, 2]))
+    primary = redis.Redis(port=master)
+    assert primary.execute_command("WAIT", 1, 5000) == 1  # the replica has every write
+    bucket = reader._buckets[0]
+    assert len(reader._buckets) == 1 and primary.hlen(bucket) == 3  # the writes went to the master
+    secondary = redis.Redis(port=replica)
+    find = tf.function(lambda k: reader.find(k, tf.zeros([1, 2]))[0])
+    for read in (lambda: reader.find(keys, tf.zeros([1, 2]))[0], lambda: find(keys)):
+        for server in (primary, secondary):
+            server.config_resetstat()
+        np.testing.assert_array_equal(read().numpy(), [[2, 2], [2, 2], [3, 3]])
+        assert "cmdstat_hmget" in secondary.info("commandstats")  # the replica answered
+        assert "cmdstat_hmget" not in primary.info("commandstats")
+    if mode == 1:  # a row only the replica holds (a cluster replica takes no writes of its own)
+        secondary.hset(bucket, np.array([3], "<i8").tobytes(), np.array([[7.0, 7.0]], np.float32).tobytes())
+        np.testing.assert_array_equal(find(keys).numpy(), [[2, 2], [2, 2], [7, 7]])
+        secondary.hset(bucket, np.array([3], "<i8").tobytes(), np.array([[3.0, 3.0]], np.float32).tobytes())
+    primary.config_resetstat()
+    np.testing.assert_array_equal(writer.find(keys, tf.zeros([1, 2]))[0].numpy(), [[2, 2], [2, 2], [3, 3]])
+    assert "cmdstat_hmget" in primary.info("commandstats")
+    assert int(reader.size()) == 3 and int(reader.remove(keys[:1])) == 1 and primary.hlen(bucket) == 2
+    reader.clear()
+    assert primary.exists(bucket) == 0

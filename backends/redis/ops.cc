@@ -1,15 +1,22 @@
-// Native ops of the Redis backend: TfdeRedisFind (rows and an exists mask,
-// missing keys from an init spec or defaults) and TfdeRedisInsert (upsert),
-// used by tfde/tables/redis_table.py for lookups and writes and by serving
-// exports that keep reading Redis.  Thin: validates shapes, routes keys to
-// buckets as redis_table.py lays them out, and pipelines HMGET / HSET
-// through resp_client.h.
+// Native ops of the Redis backend, every operation of a table on the
+// training path on one client (resp_client.h: one retry policy, one error
+// translation): TfdeRedisFind (rows and an exists mask, missing keys from an
+// init spec or defaults), TfdeRedisInsert (upsert), TfdeRedisInsertGroup (a
+// step's row and slot tables in transactions), TfdeRedisAccum (server-side
+// addition, applied once per chunk), TfdeRedisRemove, TfdeRedisSize and
+// TfdeRedisClear, used by tfde/tables/redis_table.py and by serving exports
+// that keep reading Redis.  Thin: validates shapes, routes keys to buckets as
+// redis_table.py lays them out, and pipelines the commands through
+// resp_client.h.
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -95,7 +102,11 @@ constexpr char kCredentialsHint[] = "check redis_user and redis_password in the 
   TF_RETURN_IF_ERROR(ctx->GetAttr("recreate_meta", &config->recreate_meta));
   if (config->recreate_meta && config->meta_value.empty())
     return errors::InvalidArgument("recreate_meta needs the meta value to write");
-  config->on_recreate = [](const std::string& message) { LOG(WARNING) << "tfde: " << message; };
+  // Straight to stderr, not TF's log: TF_CPP_MIN_LOG_LEVEL=2 (tfde's
+  // command, many launchers) would hide a warning that rows were lost.
+  config->on_recreate = [](const std::string& message) {
+    std::fprintf(stderr, "tfde: warning: %s\n", message.c_str());
+  };
   return ::absl::OkStatus();
 }
 
@@ -160,6 +171,8 @@ class RedisOpBase : public OpKernel {
     config.socket_timeout_ms = static_cast<int>(socket_ms);
     config.retries = static_cast<int>(retries);
     OP_REQUIRES_OK(ctx, ReadErrorAttrs(ctx, &config));
+    if (ctx->HasAttr("read_from_replicas"))  // TfdeRedisFind's: the only op that may read a replica
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("read_from_replicas", &config.read_from_replicas));
     client_ = std::make_unique<resp::Client>(std::move(config));
   }
 
@@ -397,6 +410,7 @@ REGISTER_OP("TfdeRedisFind")
     .Attr("init_p0: float = 0.0")
     .Attr("init_p1: float = 0.0")
     .Attr("init_seed: int = 0")
+    .Attr("read_from_replicas: bool = false")
     .SetIsStateful()  // reads a store that changes under it
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
       int64_t dim;
@@ -671,6 +685,248 @@ TFDE_REGISTER_REDIS_GROUP(int32_t);
 TFDE_REGISTER_REDIS_GROUP(int64_t);
 TFDE_REGISTER_REDIS_GROUP(tstring);
 // ------------------------------------------------------------ end of grouped insert
+
+// ------------------------------------------------------------ accum, remove, size, clear
+// The rest of a table's operations on the training path, on the same client
+// as find and insert (one retry policy, one error translation):
+//   TfdeRedisAccum:  adds deltas to rows on the server, atomically per key,
+//                    through the Lua script the op is given (redis_table.py
+//                    _ACCUM_LUA, one EVAL per (bucket, chunk of keys)).  Each
+//                    EVAL first sets a marker key unique to that chunk of this
+//                    call (SET NX EX, in the bucket's hash slot), so a chunk
+//                    sent again by a retry after a lost reply is applied once.
+//   TfdeRedisRemove: HDEL per (bucket, chunk); returns how many were there.
+//   TfdeRedisSize:   HLEN of every bucket, summed.
+//   TfdeRedisClear:  DEL of every bucket.
+
+// "f", "d", "h" or "b": how the accum script reads and writes a row's values.
+const char* ValueKind(DataType dtype) {
+  switch (dtype) {
+    case ::tensorflow::DT_FLOAT:
+      return "f";
+    case ::tensorflow::DT_DOUBLE:
+      return "d";
+    case ::tensorflow::DT_HALF:
+      return "h";
+    default:
+      return "b";  // bfloat16: the op's attr allows no other type
+  }
+}
+
+// 32 hex digits from the system's random source: a call's id in its
+// markers, unique across the processes sharing a table.
+std::string RandomCallId() {
+  static std::mutex mu;
+  static std::mt19937_64 rng{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mu);
+  char out[33];
+  std::snprintf(out, sizeof(out), "%016llx%016llx", static_cast<unsigned long long>(rng()),
+                static_cast<unsigned long long>(rng()));
+  return out;
+}
+
+template <class TK>
+class RedisAccumOp : public RedisOpBase {
+ public:
+  explicit RedisAccumOp(OpKernelConstruction* ctx) : RedisOpBase(ctx) {
+    if (!ctx->status().ok()) return;
+    int64_t ttl;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("script", &script_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("marker_prefix", &marker_prefix_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("marker_tags", &marker_tags_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("marker_ttl_s", &ttl));
+    OP_REQUIRES(ctx, !script_.empty(), errors::InvalidArgument("TfdeRedisAccum needs the accum script"));
+    OP_REQUIRES(ctx, marker_tags_.size() == buckets_.size(),
+                errors::InvalidArgument("TfdeRedisAccum of ", Describe(), " needs one marker tag per bucket (",
+                                        buckets_.size(), "), got ", marker_tags_.size()));
+    OP_REQUIRES(ctx, ttl >= 1, errors::InvalidArgument("marker_ttl_s must be >= 1 second, got ", ttl));
+    ttl_ = std::to_string(ttl);
+    dim_text_ = std::to_string(dim_);
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& keys = ctx->input(0);
+    OP_REQUIRES(ctx, keys.dims() == 1,
+                errors::InvalidArgument("keys must be a vector, got shape ", keys.shape().DebugString()));
+    const int64_t n = keys.dim_size(0);
+    for (int input = 1; input <= 2; ++input) {
+      const Tensor& rows = ctx->input(input);
+      OP_REQUIRES(
+          ctx, rows.dims() == 2 && rows.dim_size(0) == n && rows.dim_size(1) == dim_,
+          errors::InvalidArgument(input == 1 ? "deltas" : "initial rows", " must have shape [", n, ", ", dim_, "] for ",
+                                  n, " keys and a ", Describe(), ", got ", rows.shape().DebugString()));
+    }
+    Tensor* applied = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &applied));
+    applied->scalar<int64_t>()() = n;
+    if (n == 0) return;
+    std::vector<uint64_t> hashes;
+    std::vector<std::string> fields;
+    std::vector<std::vector<int64_t>> by_bucket;
+    Route<TK>(keys, &hashes, &fields, &by_bucket);
+    const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
+    const char* deltas = ctx->input(1).tensor_data().data();
+    const char* init = ctx->input(2).tensor_data().data();
+    const std::string call = RandomCallId();
+    // The markers, in a list that never moves (the commands hold views).
+    std::deque<std::string> markers;
+    std::vector<resp::Command> commands;
+    for (size_t b = 0; b < by_bucket.size(); ++b) {
+      for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
+        markers.push_back(marker_prefix_ + ":" + call + ":" + std::to_string(commands.size()) + marker_tags_[b]);
+        resp::Command c{buckets_[b],
+                        {"EVAL", script_, "2", buckets_[b], markers.back(), ValueKind(value_dtype_), dim_text_, ttl_}};
+        for (size_t k = s; k < std::min(s + chunk_, by_bucket[b].size()); ++k) {
+          const int64_t i = by_bucket[b][k];
+          c.args.push_back(fields[i]);
+          c.args.emplace_back(deltas + i * row_bytes, row_bytes);
+          c.args.emplace_back(init + i * row_bytes, row_bytes);
+        }
+        commands.push_back(std::move(c));
+      }
+    }
+    try {
+      client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
+        if (r.type != resp::Reply::kInteger)
+          throw resp::Error("a malformed accum script reply for " + std::string(commands[c].key), true);
+      });
+    } catch (const std::exception& e) {
+      Fail(ctx, "accum", e);
+    }
+  }
+
+ private:
+  std::string script_, marker_prefix_, ttl_, dim_text_;
+  std::vector<std::string> marker_tags_;  // hash tag of each bucket, for its markers
+};
+
+template <class TK>
+class RedisRemoveOp : public RedisOpBase {
+ public:
+  using RedisOpBase::RedisOpBase;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& keys = ctx->input(0);
+    OP_REQUIRES(ctx, keys.dims() == 1,
+                errors::InvalidArgument("keys must be a vector, got shape ", keys.shape().DebugString()));
+    Tensor* removed = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &removed));
+    removed->scalar<int64_t>()() = 0;
+    if (keys.dim_size(0) == 0) return;
+    std::vector<uint64_t> hashes;
+    std::vector<std::string> fields;
+    std::vector<std::vector<int64_t>> by_bucket;
+    Route<TK>(keys, &hashes, &fields, &by_bucket);
+    std::vector<resp::Command> commands;
+    for (size_t b = 0; b < by_bucket.size(); ++b) {
+      for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
+        resp::Command c{buckets_[b], {"HDEL", buckets_[b]}};
+        for (size_t k = s; k < std::min(s + chunk_, by_bucket[b].size()); ++k)
+          c.args.push_back(fields[by_bucket[b][k]]);
+        commands.push_back(std::move(c));
+      }
+    }
+    // HDEL counts each distinct present field once per command (duplicates
+    // in one chunk once, like the other backends); a retry's count is the
+    // one that stands.
+    std::vector<int64_t> counts(commands.size(), 0);
+    try {
+      client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
+        if (r.type != resp::Reply::kInteger)
+          throw resp::Error("a malformed HDEL reply for " + std::string(commands[c].key), true);
+        counts[c] = r.integer;
+      });
+    } catch (const std::exception& e) {
+      Fail(ctx, "remove", e);
+      return;
+    }
+    int64_t total = 0;
+    for (int64_t k : counts) total += k;
+    removed->scalar<int64_t>()() = total;
+  }
+};
+
+// One command per bucket, no keys: HLEN (size) or DEL (clear).
+class RedisBucketsOp : public RedisOpBase {
+ public:
+  RedisBucketsOp(OpKernelConstruction* ctx, const char* command, const char* what)
+      : RedisOpBase(ctx), command_(command), what_(what) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    std::vector<resp::Command> commands;
+    for (const std::string& bucket : buckets_) commands.push_back(resp::Command{bucket, {command_, bucket}});
+    std::vector<int64_t> counts(commands.size(), 0);
+    try {
+      client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
+        if (r.type != resp::Reply::kInteger)
+          throw resp::Error("a malformed " + std::string(command_) + " reply for " + buckets_[c], true);
+        counts[c] = r.integer;
+      });
+    } catch (const std::exception& e) {
+      Fail(ctx, what_, e);
+      return;
+    }
+    int64_t total = 0;
+    for (int64_t k : counts) total += k;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = command_ == std::string_view("DEL") ? 0 : total;
+  }
+
+ private:
+  const char* command_;
+  const char* what_;
+};
+
+class RedisSizeOp : public RedisBucketsOp {
+ public:
+  explicit RedisSizeOp(OpKernelConstruction* ctx) : RedisBucketsOp(ctx, "HLEN", "size") {}
+};
+
+class RedisClearOp : public RedisBucketsOp {
+ public:
+  explicit RedisClearOp(OpKernelConstruction* ctx) : RedisBucketsOp(ctx, "DEL", "clear") {}
+};
+
+REGISTER_OP("TfdeRedisAccum")
+    .Input("keys: Tkey")
+    .Input("deltas: Tvalue")
+    .Input("init: Tvalue")
+    .Output("applied: int64")
+    .TFDE_REDIS_ATTRS.Attr("script: string")
+    .Attr("marker_prefix: string")
+    .Attr("marker_tags: list(string)")
+    .Attr("marker_ttl_s: int = 3600")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("TfdeRedisRemove")
+    .Input("keys: Tkey")
+    .Output("removed: int64")
+    .TFDE_REDIS_ATTRS.SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("TfdeRedisSize")
+    .Output("size: int64")
+    .TFDE_REDIS_ATTRS.SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+REGISTER_OP("TfdeRedisClear")
+    .Output("cleared: int64")
+    .TFDE_REDIS_ATTRS.SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+#define TFDE_REGISTER_REDIS_KEYED(TK)                                                                          \
+  REGISTER_KERNEL_BUILDER(Name("TfdeRedisAccum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"),  \
+                          RedisAccumOp<TK>);                                                                   \
+  REGISTER_KERNEL_BUILDER(Name("TfdeRedisRemove").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
+                          RedisRemoveOp<TK>)
+TFDE_REGISTER_REDIS_KEYED(int32_t);
+TFDE_REGISTER_REDIS_KEYED(int64_t);
+TFDE_REGISTER_REDIS_KEYED(tstring);
+REGISTER_KERNEL_BUILDER(Name("TfdeRedisSize").Device(::tensorflow::DEVICE_CPU), RedisSizeOp);
+REGISTER_KERNEL_BUILDER(Name("TfdeRedisClear").Device(::tensorflow::DEVICE_CPU), RedisClearOp);
+// ------------------------------------------------------------ end of accum, remove, size, clear
 
 }  // namespace
 }  // namespace tfde

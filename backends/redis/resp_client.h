@@ -1,11 +1,13 @@
 // A small blocking Redis client (RESP2 over TCP) for tfde's native Redis
-// ops: pipelines of HMGET / HSET on table buckets of a standalone server, the
-// master a set of sentinels names, or the nodes of a cluster.  No TensorFlow
-// includes.
+// ops: pipelines of commands on table buckets of a standalone server, the
+// master a set of sentinels names, or the nodes of a cluster (or, for reads,
+// their replicas).  No TensorFlow includes.
 //
-// Only what the ops need: AUTH, SELECT, CLUSTER SLOTS, SENTINEL
-// get-master-addr-by-name, EXISTS / SET NX of a table's meta key, and the
-// idempotent commands they pipeline.  Commands for one node are sent together
+// Only what the ops need: AUTH, SELECT, READONLY, CLUSTER SLOTS, SENTINEL
+// get-master-addr-by-name and replicas, EXISTS / SET NX of a table's meta
+// key, and the commands they pipeline, which must be safe to send again (a
+// retry resends them all): HMGET, HSET, HDEL, HLEN, DEL, transactions of
+// HSETs, and EVALs that mark themselves applied.  Commands for one node are sent together
 // and their replies read in order.
 //
 // The stream stays in step: every reply of a pipeline is read before any
@@ -38,6 +40,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -340,6 +343,11 @@ struct Config {
   std::string meta_key, meta_value;
   bool recreate_meta = false;
   std::function<void(const std::string&)> on_recreate;
+  // Reads from a replica (redis_read_access_slave; only the find op asks):
+  // in a cluster each slot's first replica (READONLY on every connection),
+  // with sentinels a replica they report up, at random; the master when
+  // there is none.  Such a client must only read: replicas refuse writes.
+  bool read_from_replicas = false;
 };
 
 // One command of a pipeline: `key` (a Redis key the command touches) routes
@@ -349,7 +357,7 @@ struct Command {
   std::vector<std::string_view> args;
 };
 
-// Runs pipelines of idempotent commands (HMGET, HSET) against the servers of
+// Runs pipelines of commands safe to resend (see the top) against the servers of
 // a Config, reconnecting and retrying (with backoff) when a connection breaks,
 // a server answers "not now", or a cluster slot moves.
 class Client {
@@ -473,7 +481,7 @@ class Client {
     return r;
   }
 
-  std::string NodeOf(std::string_view key) const { return config_.mode == 0 ? slot_nodes_[KeySlot(key)] : master_; }
+  std::string NodeOf(std::string_view key) const { return config_.mode == 0 ? slot_nodes_[KeySlot(key)] : server_; }
 
   Connection& ConnectionTo(const std::string& node) {
     auto it = connections_.find(node);
@@ -483,6 +491,7 @@ class Client {
                                           config_.connect_timeout_ms, config_.socket_timeout_ms);
     Authenticate(*c, config_.user, config_.password);
     if (config_.mode != 0 && config_.db != 0) Call(*c, {"SELECT", std::to_string(config_.db)});
+    if (config_.mode == 0 && config_.read_from_replicas) Call(*c, {"READONLY"});
     CheckTable(*c, node);
     return *connections_.emplace(node, std::move(c)).first->second;
   }
@@ -491,6 +500,7 @@ class Client {
   // connection but in a cluster): the key must still be there (see Config).
   void CheckTable(Connection& c, const std::string& node) const {
     if (config_.meta_key.empty() || NodeOf(config_.meta_key) != node) return;
+    if (config_.recreate_meta && config_.read_from_replicas) return;  // a replica: its master rewrites the key
     if (config_.recreate_meta) {
       const Reply r = Call(c, {"SET", config_.meta_key, config_.meta_value, "NX"});
       if (r.type == Reply::kStatus && config_.on_recreate)
@@ -522,7 +532,7 @@ class Client {
     if (discovered_) return;
     std::string last = "no servers configured";
     if (config_.mode == 2) {
-      master_ = config_.servers.at(0).first + ":" + std::to_string(config_.servers.at(0).second);
+      server_ = config_.servers.at(0).first + ":" + std::to_string(config_.servers.at(0).second);
       discovered_ = true;
       return;
     }
@@ -534,7 +544,8 @@ class Client {
           Reply r = Call(c, {"SENTINEL", "get-master-addr-by-name", config_.master_name});
           if (r.type != Reply::kArray || r.elements.size() != 2)
             throw Error(c.Address() + " knows no master named '" + config_.master_name + "'", false);
-          master_ = r.elements[0].str + ":" + r.elements[1].str;
+          server_ = r.elements[0].str + ":" + r.elements[1].str;
+          if (config_.read_from_replicas) PickReplica(Call(c, {"SENTINEL", "replicas", config_.master_name}));
         } else {
           Authenticate(c, config_.user, config_.password);
           LoadSlots(Call(c, {"CLUSTER", "SLOTS"}), c.Address());
@@ -558,7 +569,12 @@ class Client {
         throw Error(from + " sent a malformed CLUSTER SLOTS entry", false);
       const int64_t lo = range.elements[0].integer, hi = range.elements[1].integer;
       const Reply& node = range.elements[2];
-      const std::string addr = node.elements[0].str + ":" + std::to_string(node.elements[1].integer);
+      // Entries after the master are its replicas.
+      const Reply& reader = config_.read_from_replicas && range.elements.size() > 3 &&
+                                    range.elements[3].type == Reply::kArray && range.elements[3].elements.size() >= 2
+                                ? range.elements[3]
+                                : node;
+      const std::string addr = reader.elements[0].str + ":" + std::to_string(reader.elements[1].integer);
       for (int64_t s = lo; s <= hi && s < kClusterSlots; ++s)
         if (s >= 0) slot_nodes_[static_cast<size_t>(s)] = addr;
     }
@@ -566,11 +582,32 @@ class Client {
       if (n.empty()) throw Error(from + ": the cluster does not cover every slot", false);
   }
 
+  // server_ := a replica the sentinels report up (not s_down / o_down /
+  // disconnected), chosen at random; it stays the master when none is.
+  void PickReplica(const Reply& r) {
+    std::vector<std::string> up;
+    for (const Reply& replica : r.type == Reply::kArray ? r.elements : std::vector<Reply>{}) {
+      std::map<std::string, std::string> fields;
+      for (size_t i = 0; i + 1 < replica.elements.size(); i += 2)
+        fields[replica.elements[i].str] = replica.elements[i + 1].str;
+      const std::string& flags = fields["flags"];
+      if (fields["ip"].empty() || fields["port"].empty() || flags.find("s_down") != std::string::npos ||
+          flags.find("o_down") != std::string::npos || flags.find("disconnected") != std::string::npos)
+        continue;
+      up.push_back(fields["ip"] + ":" + fields["port"]);
+    }
+    if (up.empty()) return;
+    static std::mutex rng_mu;
+    static std::mt19937 rng{std::random_device{}()};
+    std::lock_guard<std::mutex> lock(rng_mu);
+    server_ = up[std::uniform_int_distribution<size_t>(0, up.size() - 1)(rng)];
+  }
+
   Config config_;
   std::mutex mu_;
-  bool discovered_ = false;              // master_ / slot_nodes_ are current
-  std::string master_;                   // modes 1, 2: "host:port" of the server to read
-  std::vector<std::string> slot_nodes_;  // mode 0: "host:port" per cluster slot
+  bool discovered_ = false;              // server_ / slot_nodes_ are current
+  std::string server_;                   // modes 1, 2: "host:port" of the master, or a replica (see Config)
+  std::vector<std::string> slot_nodes_;  // mode 0: "host:port" per cluster slot (a replica: see Config)
   // By "host:port"; only connections whose stream is in step (every reply
   // read) are kept here.
   std::map<std::string, std::unique_ptr<Connection>> connections_;

@@ -17,15 +17,18 @@ Layout (documented in docs/formats.md, 'Redis: the key/value layout', so other p
     every new connection (a server restarted without persistence comes back
     without it: recreate_if_missing).
 
-Lookups and upserts run in native ops (backends/redis/: TfdeRedisFind,
-TfdeRedisInsert, pipelining HMGET / HSET per node in chunks of
-keys_sending_size keys, retrying with backoff; TfdeRedisInsertGroup writes a
-step's row and slot tables in MULTI / EXEC transactions, see
-RedisTable.insert_with); the other operations (accum
-through a Lua script, remove, clear, size, export) and reads from replicas go
-through redis-py inside tf.numpy_function (stateful).  Either way the tables
-work eagerly, in tf.function and under model.fit, in the process that
-created them.  A find of n keys costs one pipelined round trip per server.
+Every operation of the training path runs in native ops (backends/redis/,
+one client: TfdeRedisFind and TfdeRedisInsert pipeline HMGET / HSET per node
+in chunks of keys_sending_size keys, TfdeRedisInsertGroup writes a step's
+row and slot tables in MULTI / EXEC transactions (RedisTable.insert_with),
+TfdeRedisAccum adds on the server through a Lua script, TfdeRedisRemove,
+TfdeRedisSize and TfdeRedisClear), retrying with backoff.  What runs once
+per table or per save goes through redis-py: opening (the meta key, the
+import from model_tag_import), close's expiry, export's HSCAN, and reads
+from replicas (redis_read_access_slave), inside tf.numpy_function (stateful)
+where they are ops.  The tables work eagerly, in tf.function and under
+model.fit, in the process that created them.  A find of n keys costs one
+pipelined round trip per server.
 
 Errors (both paths alike, tfde/errors.py): transient failures are retried
 with backoff, then raise BackendUnavailableError (tf.errors.UnavailableError
@@ -66,7 +69,7 @@ from tfde.errors import (
     redis_error_kind,
     tf_code,
 )
-from tfde.hashing import route_low_np, stable_hash, stable_hash_np, stable_hash_py
+from tfde.hashing import route_low_np, stable_hash_np, stable_hash_py
 from tfde.initializers import InitSpec
 from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes, native_missing_args, register_creator
 from tfde.tables.redis_config import RedisTableConfig
@@ -85,8 +88,6 @@ def backoff_s(failures: int) -> float:
     failures in a row: BACKOFF_BASE_S doubling, at most BACKOFF_MAX_S."""
     return min(BACKOFF_BASE_S * 2.0 ** (failures - 1), BACKOFF_MAX_S)
 
-
-_VALUE_KIND = {tf.float32: "f", tf.float64: "d", tf.float16: "h", tf.bfloat16: "b"}
 
 # Adds deltas to rows atomically on the server.  KEYS[1]: the bucket hash;
 # KEYS[2]: a marker unique to this chunk of this call (same hash tag), so a
@@ -488,15 +489,8 @@ class RedisTable(Table, trackable_base.Trackable):
         self._itemsize = self.value_dtype.size
         self._row_bytes = dim * self._itemsize
         self._key_width = {tf.int64: 8, tf.int32: 4}.get(self.key_dtype)
-        self._accum_script = self._client.register_script(_ACCUM_LUA)
-        # Lookups and upserts run in the native ops (no Python per call);
-        # reads from replicas (redis_read_access_slave) go through redis-py.
-        self._ops = _native.load()
+        self._ops = _native.load()  # every operation of the training path (no Python per call)
         self._attrs = native_attrs(config, self._buckets, name, credentials, self._meta_key, self._packed_meta())
-        self._native_reads = not config.redis_read_access_slave
-        with tf.init_scope():  # made once: an eager op costs ~0.1 ms per call
-            self._no_hashes = tf.zeros([0], tf.int64)
-            self._no_defaults = tf.zeros([0, dim], self.value_dtype)
         self._exports = {}
         self._export_ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -661,117 +655,6 @@ class RedisTable(Table, trackable_base.Trackable):
 
     # ------------------------------------------------------------ numpy side
 
-    def _hashes(self, keys, hashes):
-        """Stable hashes: computed here (vectorized) for int keys, passed in
-        (from the native op) for string keys."""
-        return stable_hash_np(keys) if self._key_width is not None else hashes
-
-    def _np_find(self, keys, hashes, defaults):
-        """(rows [n, dim] of the value dtype, exists [n]); missing rows are
-        taken from `defaults` ([n, dim] or [1, dim]) when it has rows."""
-        n = len(keys)
-        out = np.zeros((n, self._row_bytes), np.uint8)
-        exists = np.zeros(n, bool)
-        if n:
-            self._fetch(keys, self._hashes(keys, hashes), out, exists)
-        rows = out.view(self.value_dtype.as_numpy_dtype)
-        if len(defaults):
-            missing = ~exists
-            rows[missing] = defaults if len(defaults) == 1 else defaults[missing]
-        return rows, exists
-
-    def _fetch(self, keys, hashes, out, exists):
-        fields = self._fields(keys)
-        plan = list(self._plan(hashes))
-
-        def run():
-            pipe = self._reader.pipeline(transaction=False)
-            for b, chunk in plan:
-                pipe.hmget(self._buckets[b], [fields[i] for i in chunk])
-            return pipe.execute()
-
-        rb = self._row_bytes
-        for (b, chunk), values in zip(plan, self._call("find", run)):
-            if None not in values:  # all stored: one join, one copy
-                joined = b"".join(values)
-                if len(joined) == len(values) * rb:
-                    out[chunk] = np.frombuffer(joined, np.uint8).reshape(len(values), rb)
-                    exists[chunk] = True
-                    continue
-            present = np.fromiter((v is not None for v in values), bool, len(values))
-            found = [v for v in values if v is not None]
-            joined = b"".join(found)
-            if len(joined) != len(found) * rb or any(len(v) != rb for v in found[:1]):
-                bad = next(v for v in found if len(v) != rb)
-                raise ShapeError(
-                    f"Redis table {self.name!r} bucket {self._buckets[b]} holds a {len(bad)}-byte "
-                    f"row where {rb} bytes (dim {self.dim} x {self.value_dtype.name}) are expected: "
-                    "the data was written by another program or format"
-                )
-            hit = chunk[present]
-            out[hit] = np.frombuffer(joined, np.uint8).reshape(len(found), rb)
-            exists[hit] = True
-
-    def _np_accum(self, keys, hashes, deltas, init):
-        if len(keys) == 0:
-            return np.int64(0)
-        deltas = np.ascontiguousarray(deltas).view(np.uint8).reshape(len(keys), self._row_bytes)
-        init = np.ascontiguousarray(init).view(np.uint8).reshape(len(keys), self._row_bytes)
-        fields = self._fields(keys)
-        plan = list(self._plan(self._hashes(keys, hashes)))
-        kind = _VALUE_KIND[self.value_dtype]
-
-        call_id = uuid.uuid4().hex
-        calls = []
-        for n, (b, chunk) in enumerate(plan):
-            args = [kind, self.dim, ACCUM_MARKER_TTL_S]
-            for i in chunk:
-                args += [fields[i], deltas[i].tobytes(), init[i].tobytes()]
-            marker = f"{self._marker_prefix}:{call_id}:{n}{self._tags[b]}"
-            calls.append(([self._buckets[b], marker], args))
-
-        def run():  # retried as a whole; chunks already applied are skipped
-            if self.config.redis_connection_mode == 0:
-                # Cluster pipelines refuse scripts: one call per chunk, each
-                # routed to the node owning its bucket.
-                return [self._accum_script(keys=keys_, args=args) for keys_, args in calls]
-            pipe = self._client.pipeline(transaction=False)
-            for keys_, args in calls:
-                self._accum_script(keys=keys_, args=args, client=pipe)
-            return pipe.execute()
-
-        self._call("accum", run)
-        return np.int64(len(keys))
-
-    def _np_remove(self, keys, hashes):
-        if len(keys) == 0:
-            return np.int64(0)
-        fields = self._fields(keys)
-        plan = list(self._plan(self._hashes(keys, hashes)))
-
-        def run():
-            pipe = self._client.pipeline(transaction=False)
-            for b, chunk in plan:
-                pipe.hdel(self._buckets[b], *[fields[i] for i in chunk])
-            return pipe.execute()
-
-        # HDEL counts each distinct present field once per command; duplicates
-        # in one chunk are counted once, like the other backends.
-        return np.int64(sum(self._call("remove", run)))
-
-    def _np_size(self):
-        def run():
-            pipe = self._reader.pipeline(transaction=False)
-            for b in self._buckets:
-                pipe.hlen(b)
-            return pipe.execute()
-
-        return np.int64(sum(self._call("size", run)))
-
-    def _np_clear(self):
-        self._call("clear", lambda: self._client.delete(*self._buckets))
-        return np.int64(0)
-
     def _np_export(self, cursor, max_rows):
         """Chunks come from HSCAN over the buckets in turn; a cursor > 0 names
         an export in progress, kept in this object between calls."""
@@ -831,10 +714,6 @@ class RedisTable(Table, trackable_base.Trackable):
             return tf.bitcast(raw, self.value_dtype)
         return tf.bitcast(tf.reshape(raw, [-1, self.dim, self._itemsize]), self.value_dtype)
 
-    def _hash_arg(self, keys):
-        # String keys are hashed by the native op; int keys in the callback.
-        return stable_hash(keys) if self._key_width is None else self._no_hashes
-
     def _native_call(self, what: str, fn):
         """fn() (a native op).  Eagerly, a failure is raised as the tfde
         error its message names, with the same text (tfde.errors
@@ -875,25 +754,23 @@ class RedisTable(Table, trackable_base.Trackable):
         return outs[0] if single else outs
 
     def find(self, keys, missing):
+        """Rows of `keys` and whether each was stored; missing keys get rows
+        from `missing` (an InitSpec or default rows).  With
+        redis_read_access_slave the reads go to a replica, which may lag the
+        master's writes."""
         keys = as_keys(keys, self.key_dtype, self.name)
-        if self._native_reads:
-            defaults, init = native_missing_args(missing, self)
-            return self._native_call(
-                "find", lambda: self._ops.tfde_redis_find(keys, defaults, dim=self.dim, **self._attrs, **init)
-            )
-        if isinstance(missing, InitSpec):
-            defaults = self._no_defaults
-        else:
-            defaults = as_rows(missing, self.value_dtype, self.dim, self.name, "defaults")
-        values, exists = self._py_op(
-            self._np_find, [keys, self._hash_arg(keys), defaults], [self.value_dtype, tf.bool], name="tfde_redis_find"
+        defaults, init = native_missing_args(missing, self)
+        return self._native_call(
+            "find",
+            lambda: self._ops.tfde_redis_find(
+                keys,
+                defaults,
+                dim=self.dim,
+                read_from_replicas=self.config.redis_read_access_slave,
+                **self._attrs,
+                **init,
+            ),
         )
-        values.set_shape([None, self.dim])
-        exists.set_shape([None])
-        if isinstance(missing, InitSpec):
-            init = _native.load().tfde_init_rows(keys, Tvalue=self.value_dtype, dim=self.dim, **missing.attrs())
-            values = tf.where(exists[:, None], values, init)
-        return values, exists
 
     def insert(self, keys, values):
         keys = as_keys(keys, self.key_dtype, self.name)
@@ -968,27 +845,55 @@ class RedisTable(Table, trackable_base.Trackable):
         return all(key_slot(a.encode()) == key_slot(b.encode()) for a, b in zip(self._buckets, table._buckets))
 
     def accum(self, keys, deltas, missing):
+        """Adds `deltas` to the rows of `keys` on the server (a missing key
+        starts from `missing`), atomically per key: TfdeRedisAccum runs
+        _ACCUM_LUA once per chunk of keys of a bucket, and a chunk sent
+        again by a retry is applied once (its marker key)."""
         keys = as_keys(keys, self.key_dtype, self.name)
         deltas = as_rows(deltas, self.value_dtype, self.dim, self.name, "deltas")
         if isinstance(missing, InitSpec):
-            init = _native.load().tfde_init_rows(keys, Tvalue=self.value_dtype, dim=self.dim, **missing.attrs())
+            init = self._ops.tfde_init_rows(keys, Tvalue=self.value_dtype, dim=self.dim, **missing.attrs())
         else:
             init = tf.broadcast_to(
                 as_rows(missing, self.value_dtype, self.dim, self.name, "defaults"), [tf.size(keys), self.dim]
             )
-        return self._py_op(
-            self._np_accum, [keys, self._hash_arg(keys), deltas, init], tf.int64, name="tfde_redis_accum"
+        return self._native_call(
+            "accum",
+            lambda: self._ops.tfde_redis_accum(
+                keys,
+                deltas,
+                init,
+                dim=self.dim,
+                script=_ACCUM_LUA,
+                marker_prefix=self._marker_prefix,
+                marker_tags=self._tags,
+                marker_ttl_s=ACCUM_MARKER_TTL_S,
+                **self._attrs,
+            ),
         )
 
     def remove(self, keys):
         keys = as_keys(keys, self.key_dtype, self.name)
-        return self._py_op(self._np_remove, [keys, self._hash_arg(keys)], tf.int64, name="tfde_redis_remove")
+        return self._native_call(
+            "remove",
+            lambda: self._ops.tfde_redis_remove(keys, Tvalue=self.value_dtype, dim=self.dim, **self._attrs),
+        )
 
     def clear(self):
-        return self._py_op(self._np_clear, [], tf.int64, name="tfde_redis_clear")
+        return self._native_call(
+            "clear",
+            lambda: self._ops.tfde_redis_clear(
+                Tkey=self.key_dtype, Tvalue=self.value_dtype, dim=self.dim, **self._attrs
+            ),
+        )
 
     def size(self):
-        return self._py_op(self._np_size, [], tf.int64, name="tfde_redis_size")
+        return self._native_call(
+            "size",
+            lambda: self._ops.tfde_redis_size(
+                Tkey=self.key_dtype, Tvalue=self.value_dtype, dim=self.dim, **self._attrs
+            ),
+        )
 
     def export_chunk(self, cursor, max_rows):
         keys, raw, nxt = self._py_op(
