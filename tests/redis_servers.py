@@ -237,7 +237,10 @@ def sentinel_with_replica():
 
             def replica_up():
                 found = redis.Redis(port=port).sentinel_slaves("replicated")
-                return any(int(r["port"]) == replica and not r["is_sdown"] for r in found)
+                return any(
+                    int(r["port"]) == replica and r["flags"] == "slave" and r["master-link-status"] == "ok"
+                    for r in found
+                )
 
             _wait(replica_up, f"sentinel on {port} to see replica {replica}", proc=proc)
 

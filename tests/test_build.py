@@ -55,3 +55,29 @@ def test_cache_key_names_the_tensorflow_version():
     from tfde import _native
 
     assert f"tf{tf.__version__}" in _native.library_path().name
+
+
+def test_the_sources_beside_the_imported_package_are_built(tmp_path, monkeypatch):
+    """A checkout's ops are built from its own backends/, even when the
+    installed tfde._backends (an editable install of another checkout)
+    points elsewhere: the Python code and the native code of one tree."""
+    import importlib.util
+    from pathlib import Path
+
+    import tfde
+    from tfde import _native
+
+    other = tmp_path / "other-checkout" / "backends"
+    (other / "cuckoo").mkdir(parents=True)
+    (other / "cuckoo" / "ops.cc").write_text("// another tree's sources\n")
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "tfde._backends":
+            return importlib.util.spec_from_file_location(
+                name, other / "__init__.py", submodule_search_locations=[str(other)]
+            )
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert _native.source_dir() == Path(tfde.__file__).resolve().parent.parent / "backends"

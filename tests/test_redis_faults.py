@@ -283,12 +283,25 @@ def test_tfde_store_errors_are_tensorflow_errors():
     assert [backoff_s(n) for n in range(1, 7)] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]
 
 
+def test_both_clients_wait_by_one_backoff_policy():
+    """The native client's waits (resp::BackoffMs) are the redis-py side's
+    (backoff_s), failure by failure, read without sleeping."""
+    import ctypes
+    import os
+
+    from tfde import _native
+    from tfde.tables.redis_table import backoff_s
+
+    _native.load()
+    native = ctypes.CDLL(str(_native.loaded_path()), mode=os.RTLD_NOW | os.RTLD_NOLOAD).tfde_redis_backoff_ms
+    assert [native(n) for n in range(1, 16)] == [round(backoff_s(n) * 1000) for n in range(1, 16)]
+
+
 def test_a_refusal_in_a_graph_is_failed_precondition_at_once(tag):
     """WRONGTYPE inside tf.function: FailedPreconditionError whose message
     starts with the tfde class, raised after one attempt (no backoff);
     eagerly the same is a tfde.BackendError, itself a
-    FailedPreconditionError.  Size says the same, and so does the redis-py
-    path (export, inside tf.numpy_function) through TfdeRaiseIfError."""
+    FailedPreconditionError.  Size and export say the same."""
     keys = _balanced_keys(8)
     with FaultProxy(6379) as proxy:
         var = _variable(proxy.port, tag)
@@ -364,8 +377,7 @@ def test_transient_replies_are_retried_then_unavailable(tag):
 def test_model_fit_with_the_server_killed_raises_unavailable(ephemeral):
     """A server killed mid-training: model.fit raises TensorFlow's
     UnavailableError (not InternalError) naming tfde.BackendUnavailableError,
-    the server and the operation; so do size and the redis-py path (export)
-    in graphs."""
+    the server and the operation; so do size and export in graphs."""
     creator = tfde.RedisTableCreator(
         {"redis_host_port": ephemeral.port, "model_tag_runtime": "fit", "redis_connect_timeout": 100}
     )
@@ -446,9 +458,9 @@ def test_a_server_restarted_empty_is_noticed(ephemeral):
         match=rf"Redis at 127\.0\.0\.1:{ephemeral.port} no longer holds table "
         r"'x/shard_0_of_1'",
     ):
-        var.tables[0].export_chunk(0, 10)  # redis-py
+        var.size()  # the native client
     with pytest.raises(tfde.BackendError, match="no longer holds table 'x/shard_0_of_1'"):
-        var.size()  # native
+        tfde.Variable("y", dim=2, table_creator=creator)  # redis-py, opening another table
     assert admin.dbsize() == 0
 
 
@@ -537,3 +549,40 @@ def test_training_through_faults_keeps_rows_and_slots_together(tag):
             stored = np.stack([np.frombuffer(rows[k.tobytes()], "<f4") for k in keys])
             np.testing.assert_array_equal(var.lookup(keys).numpy(), stored)
         assert failed >= 5  # the refusal and the cuts failed their steps
+
+
+def test_export_walks_every_bucket_in_bounded_chunks_through_faults(tag):
+    """TfdeRedisExport: chunks of at most max_rows whose union is the table,
+    the last one already saying -1; a lost reply is retried; a refused page
+    fails the call and leaves its cursor where it was, so asking again
+    carries on; an export started eagerly goes on in a graph; a finished or
+    unknown cursor is refused."""
+    keys = np.arange(1, 3001, dtype=np.int64)  # several HSCAN pages per bucket
+    with FaultProxy(6379) as proxy:
+        var = _variable(proxy.port, tag, keys_sending_size=1000)
+        var.upsert(keys, _rows(keys))
+        table = var.tables[0]
+        seen, cursor, calls = {}, 0, 0
+        in_graph = tf.function(lambda c: table.export_chunk(c, 700))
+        while cursor >= 0:
+            if calls == 1:
+                proxy.inject("close", at=0)  # retried
+            if calls == 2:
+                proxy.inject("-ERR injected refusal", at=0)
+                with pytest.raises(tfde.BackendError, match=f"refused export of table '{TABLE}'"):
+                    table.export_chunk(cursor, 700)
+            chunk_keys, chunk_rows, nxt = table.export_chunk(cursor, 700) if calls < 3 else in_graph(cursor)
+            assert len(chunk_keys) <= 700 and (int(nxt) == -1 or len(chunk_keys) == 700)
+            seen.update(zip(chunk_keys.numpy().tolist(), chunk_rows.numpy()))
+            cursor, calls = int(nxt), calls + 1
+        assert proxy.injected == 2 and calls == 5  # 3000 rows in chunks of 700
+        assert sorted(seen) == keys.tolist()
+        for k in (1, 1500, 3000):
+            np.testing.assert_array_equal(seen[k], _rows(np.array([k]))[0])
+        with pytest.raises(tfde.ShapeError, match="cursor 12345 .* unknown or finished; start again from 0"):
+            table.export_chunk(12345, 10)
+        with pytest.raises(tfde.ShapeError, match="max_rows must be > 0"):
+            table.export_chunk(0, 0)
+        redis.Redis().hset(f"{tag}:{TABLE}:{{0}}", b"12345678", b"short")
+        with pytest.raises(tfde.ShapeError, match="a row of 5 bytes where 16 are expected"):
+            list(table.export(10_000))

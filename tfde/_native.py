@@ -40,15 +40,18 @@ _loaded_path = None  # the file _ops was loaded from (see loaded_path)
 
 
 def source_dir() -> Path:
-    """Directory holding the backend sources (``backends/`` of the checkout)."""
+    """Directory holding the backend sources: ``backends/`` beside the
+    imported package when it is a checkout (so the Python code and the ops
+    always come from one tree, even when an editable install of another
+    checkout is on the path), else the installed ``tfde._backends``."""
+    here = Path(__file__).resolve().parent.parent / "backends"
+    if (here / "cuckoo" / "ops.cc").is_file():
+        return here
     spec = importlib.util.find_spec("tfde._backends")
     if spec is not None and spec.submodule_search_locations:
         for loc in spec.submodule_search_locations:
             if (Path(loc) / "cuckoo" / "ops.cc").is_file():
                 return Path(loc)
-    here = Path(__file__).resolve().parent.parent / "backends"
-    if (here / "cuckoo" / "ops.cc").is_file():
-        return here
     raise BuildError(
         "tfde's native sources (backends/cuckoo/ops.cc) are missing from this installation; "
         "reinstall tfde with `pip install --force-reinstall tfde`"

@@ -1,13 +1,13 @@
-// Native ops of the Redis backend, every operation of a table on the
-// training path on one client (resp_client.h: one retry policy, one error
-// translation): TfdeRedisFind (rows and an exists mask, missing keys from an
-// init spec or defaults), TfdeRedisInsert (upsert), TfdeRedisInsertGroup (a
-// step's row and slot tables in transactions), TfdeRedisAccum (server-side
-// addition, applied once per chunk), TfdeRedisRemove, TfdeRedisSize and
-// TfdeRedisClear, used by tfde/tables/redis_table.py and by serving exports
-// that keep reading Redis.  Thin: validates shapes, routes keys to buckets as
-// redis_table.py lays them out, and pipelines the commands through
-// resp_client.h.
+// Native ops of the Redis backend: every operation on a table's rows, on
+// one client (resp_client.h: one retry policy, one error translation).
+// TfdeRedisFind (rows and an exists mask, missing keys from an init spec or
+// defaults), TfdeRedisInsert (upsert), TfdeRedisInsertGroup (a step's row
+// and slot tables in transactions), TfdeRedisAccum (server-side addition,
+// applied once per chunk), TfdeRedisRemove, TfdeRedisSize, TfdeRedisClear
+// and TfdeRedisExport (HSCAN), used by tfde/tables/redis_table.py and by
+// serving exports that keep reading Redis.  Thin: validates shapes, routes
+// keys to buckets as redis_table.py lays them out, and pipelines the
+// commands through resp_client.h.
 #include <cstdint>
 #include <cstdlib>
 #include <cstdio>
@@ -431,50 +431,6 @@ REGISTER_OP("TfdeRedisFind")
 TFDE_REGISTER_REDIS(int32_t);
 TFDE_REGISTER_REDIS(int64_t);
 TFDE_REGISTER_REDIS(tstring);
-
-// ------------------------------------------------------------ status of Python ops
-// TfdeRaiseIfError: passes `values` through, or fails with `code` and
-// `message` when code is not 0 (OK).  The Redis operations that run in
-// redis-py inside tf.numpy_function (tfde/tables/redis_table.py _py_op)
-// return their tfde error as (code, message) instead of raising it, because
-// TensorFlow reports any Python exception raised there as UNKNOWN in graphs;
-// this op gives it back its own code (UNAVAILABLE, FAILED_PRECONDITION, ...)
-// and text.
-class RaiseIfErrorOp : public OpKernel {
- public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    const int n = ctx->num_inputs() - 2;
-    const Tensor& code = ctx->input(n);
-    const Tensor& message = ctx->input(n + 1);
-    OP_REQUIRES(ctx, code.dims() == 0 && message.dims() == 0,
-                errors::InvalidArgument("code and message must be scalars, got shapes ", code.shape().DebugString(),
-                                        " and ", message.shape().DebugString()));
-    const int c = code.scalar<int32_t>()();
-    if (c != 0) {
-      const bool known = c > 0 && c <= static_cast<int>(::absl::StatusCode::kUnauthenticated);
-      ctx->CtxFailure(::absl::Status(known ? static_cast<::absl::StatusCode>(c) : ::absl::StatusCode::kUnknown,
-                                     std::string(message.scalar<tstring>()())));
-      return;
-    }
-    for (int i = 0; i < n; ++i) ctx->set_output(i, ctx->input(i));
-  }
-};
-
-REGISTER_OP("TfdeRaiseIfError")
-    .Input("values: T")
-    .Input("code: int32")
-    .Input("message: string")
-    .Output("out: T")
-    .Attr("T: list(type) >= 0")
-    .SetIsStateful()                  // never pruned or folded: its failure is the point
-    .SetIsDistributedCommunication()  // keeps UNAVAILABLE in graphs (see TFDE_REDIS_ATTRS)
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
-      return ::absl::OkStatus();
-    });
-REGISTER_KERNEL_BUILDER(Name("TfdeRaiseIfError").Device(::tensorflow::DEVICE_CPU), RaiseIfErrorOp);
-// ------------------------------------------------------------ end of status of Python ops
 
 // ------------------------------------------------------------ grouped insert
 // TfdeRedisInsertGroup: a training step's writes of its keys to several
@@ -928,6 +884,175 @@ REGISTER_KERNEL_BUILDER(Name("TfdeRedisSize").Device(::tensorflow::DEVICE_CPU), 
 REGISTER_KERNEL_BUILDER(Name("TfdeRedisClear").Device(::tensorflow::DEVICE_CPU), RedisClearOp);
 // ------------------------------------------------------------ end of accum, remove, size, clear
 
+// ------------------------------------------------------------ export
+// TfdeRedisExport: at most max_rows (key, row) pairs of the table from
+// `cursor` (0 starts an export) and the cursor to continue from, or -1 when
+// done.  It walks the buckets in turn with HSCAN (always on the master: a
+// checkpoint must not miss writes a replica has not seen yet), buffering a
+// page's rows beyond max_rows, and looks one row ahead so that the last
+// chunk already says -1.  An export in progress lives in a process-wide
+// registry under its cursor (a kernel of another graph may continue it); a
+// failed call leaves it where it was, so the same cursor can be asked
+// again.  Like every SCAN, a key may come twice while its hash is resized;
+// importing an export is an upsert, so that is harmless.
+struct ExportState {
+  size_t bucket = 0;                                     // the bucket being scanned
+  std::string scan = "0";                                // its HSCAN cursor
+  std::deque<std::pair<std::string, std::string>> rows;  // (field, row) fetched, not returned yet
+};
+constexpr size_t kMaxOpenExports = 64;  // abandoned exports beyond this are dropped, oldest first
+constexpr int kScanCount = 1000;        // HSCAN COUNT: fields per page, roughly
+std::mutex exports_mu;
+int64_t next_export = 1;
+std::map<int64_t, ExportState>& Exports() {
+  static auto* exports = new std::map<int64_t, ExportState>();
+  return *exports;
+}
+
+template <class TK>
+class RedisExportOp : public RedisOpBase {
+ public:
+  using RedisOpBase::RedisOpBase;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& cursor_t = ctx->input(0);
+    const Tensor& max_rows_t = ctx->input(1);
+    OP_REQUIRES(ctx, cursor_t.dims() == 0 && max_rows_t.dims() == 0,
+                errors::InvalidArgument("cursor and max_rows must be scalars, got shapes ",
+                                        cursor_t.shape().DebugString(), " and ", max_rows_t.shape().DebugString()));
+    const int64_t cursor = cursor_t.scalar<int64_t>()();
+    const int64_t max_rows = max_rows_t.scalar<int64_t>()();
+    OP_REQUIRES(ctx, max_rows > 0,
+                errors::InvalidArgument("tfde.ShapeError: export max_rows must be > 0, got ", max_rows));
+    OP_REQUIRES(ctx, cursor >= 0,
+                errors::InvalidArgument(
+                    "tfde.ShapeError: export cursor must be 0 (start) or one an export returned, got ", cursor));
+    int64_t id = cursor;
+    ExportState state;
+    {
+      std::lock_guard<std::mutex> lock(exports_mu);
+      if (cursor == 0) {
+        id = next_export++;
+      } else {
+        auto it = Exports().find(cursor);
+        OP_REQUIRES(ctx, it != Exports().end(),
+                    errors::InvalidArgument("tfde.ShapeError: export cursor ", cursor, " of ", Describe(),
+                                            " is unknown or finished; start again from 0"));
+        state = std::move(it->second);
+        Exports().erase(it);
+      }
+    }
+    const size_t want = static_cast<size_t>(std::min<int64_t>(max_rows, int64_t{1} << 40)) + 1;  // one ahead
+    try {
+      while (state.rows.size() < want && state.bucket < buckets_.size()) Scan(&state);
+    } catch (const std::exception& e) {
+      // A page is added whole or not at all, so the state is still good.
+      if (cursor != 0) Keep(cursor, std::move(state));
+      Fail(ctx, "export", e);
+      return;
+    }
+    const size_t n = std::min(state.rows.size(), static_cast<size_t>(max_rows));
+    const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
+    for (size_t i = 0; i < n; ++i) {
+      const auto& [field, row] = state.rows[i];
+      if (row.size() == row_bytes && FieldFits<TK>(field)) continue;
+      const bool bad_row = row.size() != row_bytes;
+      ctx->CtxFailure(errors::InvalidArgument(
+          "tfde.ShapeError: export of table '", table_name_, "': a ", bad_row ? "row" : "field", " of ",
+          bad_row ? row.size() : field.size(), " bytes where ", bad_row ? row_bytes : sizeof(TK), " are expected for ",
+          Describe(), ": the table holds data written by another program or format"));
+      if (cursor != 0) Keep(cursor, std::move(state));
+      return;
+    }
+    Tensor* keys = nullptr;
+    Tensor* values = nullptr;
+    Tensor* next = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(n)}), &keys));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({static_cast<int64_t>(n), dim_}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &next));
+    auto flat = keys->flat<TK>();
+    char* out = const_cast<char*>(values->tensor_data().data());
+    for (size_t i = 0; i < n; ++i) {
+      const auto& [field, row] = state.rows.front();
+      if constexpr (std::is_same_v<TK, tstring>) {
+        flat(i) = tstring(field);
+      } else {
+        std::memcpy(&flat(i), field.data(), sizeof(TK));
+      }
+      std::memcpy(out + i * row_bytes, row.data(), row_bytes);
+      state.rows.pop_front();
+    }
+    const bool done = state.rows.empty() && state.bucket >= buckets_.size();
+    next->scalar<int64_t>()() = done ? -1 : id;
+    if (!done) Keep(id, std::move(state));
+  }
+
+ private:
+  template <class K>
+  static bool FieldFits(const std::string& field) {
+    if constexpr (std::is_same_v<K, tstring>) {
+      return true;
+    } else {
+      return field.size() == sizeof(K);
+    }
+  }
+
+  // One HSCAN page of the current bucket into state->rows.
+  void Scan(ExportState* state) const {
+    const std::string& bucket = buckets_[state->bucket];
+    const std::string count = std::to_string(kScanCount);
+    std::vector<resp::Command> commands{resp::Command{bucket, {"HSCAN", bucket, state->scan, "COUNT", count}}};
+    resp::Reply page;
+    client_->Pipeline(commands, [&](size_t, const resp::Reply& r) {  // a retry's page replaces the first
+      if (r.type != resp::Reply::kArray || r.elements.size() != 2 || r.elements[0].type != resp::Reply::kBulk ||
+          r.elements[1].type != resp::Reply::kArray || r.elements[1].elements.size() % 2 != 0)
+        throw resp::Error("a malformed HSCAN reply for " + bucket, true);
+      page = r;
+    });
+    const auto& items = page.elements[1].elements;
+    for (size_t i = 0; i + 1 < items.size(); i += 2) state->rows.emplace_back(items[i].str, items[i + 1].str);
+    state->scan = page.elements[0].str;
+    if (state->scan == "0") {
+      ++state->bucket;
+      state->scan = "0";
+    }
+  }
+
+  static void Keep(int64_t id, ExportState state) {
+    std::lock_guard<std::mutex> lock(exports_mu);
+    Exports()[id] = std::move(state);
+    while (Exports().size() > kMaxOpenExports) Exports().erase(Exports().begin());
+  }
+};
+
+REGISTER_OP("TfdeRedisExport")
+    .Input("cursor: int64")
+    .Input("max_rows: int64")
+    .Output("keys: Tkey")
+    .Output("values: Tvalue")
+    .Output("next: int64")
+    .TFDE_REDIS_ATTRS.SetIsStateful()
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      TF_RETURN_IF_ERROR(CheckDimAttr(dim));
+      ::tensorflow::shape_inference::ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Matrix(c->UnknownDim(), dim));
+      c->set_output(2, c->Scalar());
+      return ::absl::OkStatus();
+    });
+
+#define TFDE_REGISTER_REDIS_EXPORT(TK)                                                                         \
+  REGISTER_KERNEL_BUILDER(Name("TfdeRedisExport").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
+                          RedisExportOp<TK>)
+TFDE_REGISTER_REDIS_EXPORT(int32_t);
+TFDE_REGISTER_REDIS_EXPORT(int64_t);
+TFDE_REGISTER_REDIS_EXPORT(tstring);
+// ------------------------------------------------------------ end of export
+
 }  // namespace
 }  // namespace tfde
 
@@ -946,4 +1071,11 @@ extern "C" __attribute__((visibility("default"))) int tfde_redis_register_creden
   tfde::CredentialsRegistry()[std::string(id, id_len)] =
       tfde::Credentials{std::string(password, password_len), std::string(sentinel_password, sentinel_password_len)};
   return 0;
+}
+
+// The native client's wait before the next attempt after `failures` failures
+// in a row, in milliseconds (resp::BackoffMs), for tests to compare with the
+// redis-py side's backoff_s without sleeping.
+extern "C" __attribute__((visibility("default"))) int tfde_redis_backoff_ms(int failures) {
+  return tfde::resp::BackoffMs(failures);
 }

@@ -59,6 +59,14 @@ constexpr size_t kReadChunk = 1 << 16;
 constexpr int64_t kMaxBulkBytes = int64_t{512} << 20;  // Redis's own proto-max-bulk-len default
 constexpr int64_t kMaxReserve = 1 << 16;               // array slots reserved up front; more grow as read
 
+// Milliseconds to wait before the next attempt after `failures` (1, 2, ...)
+// failures in a row: kBackoffBaseMs doubling, at most kBackoffMaxMs.  The
+// same policy as backoff_s in tfde/tables/redis_table.py (the redis-py
+// side); tests/test_redis_faults.py compares the two.
+inline int BackoffMs(int failures) {
+  return std::min(kBackoffMaxMs, kBackoffBaseMs << std::min(std::max(failures, 1) - 1, 10));
+}
+
 // What a failure means for the caller (tfde/errors.py names the classes):
 enum class ErrorKind {
   kTransient,    // the connection broke or timed out, a reply was malformed, or the server said "not
@@ -377,10 +385,7 @@ class Client {
     std::lock_guard<std::mutex> lock(mu_);
     std::string last;
     for (int attempt = 0; attempt <= config_.retries; ++attempt) {
-      if (attempt > 0) {
-        const int ms = std::min(kBackoffMaxMs, kBackoffBaseMs << std::min(attempt - 1, 10));
-        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-      }
+      if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(BackoffMs(attempt)));
       try {
         if (TryPipeline(commands, deliver)) return;
         last = "the cluster moved a slot";

@@ -17,20 +17,19 @@ Layout (documented in docs/formats.md, 'Redis: the key/value layout', so other p
     every new connection (a server restarted without persistence comes back
     without it: recreate_if_missing).
 
-Every operation of the training path runs in native ops (backends/redis/,
-one client: TfdeRedisFind and TfdeRedisInsert pipeline HMGET / HSET per node
-in chunks of keys_sending_size keys, TfdeRedisInsertGroup writes a step's
-row and slot tables in MULTI / EXEC transactions (RedisTable.insert_with),
-TfdeRedisAccum adds on the server through a Lua script, TfdeRedisRemove,
-TfdeRedisSize and TfdeRedisClear), retrying with backoff.  What runs once
-per table or per save goes through redis-py: opening (the meta key, the
-import from model_tag_import), close's expiry, export's HSCAN, and reads
-from replicas (redis_read_access_slave), inside tf.numpy_function (stateful)
-where they are ops.  The tables work eagerly, in tf.function and under
-model.fit, in the process that created them.  A find of n keys costs one
-pipelined round trip per server.
+Every operation on a table's rows runs in native ops on one client
+(backends/redis/): TfdeRedisFind and TfdeRedisInsert pipeline HMGET / HSET
+per node in chunks of keys_sending_size keys (with redis_read_access_slave
+the finds read replicas), TfdeRedisInsertGroup writes a step's row and slot
+tables in MULTI / EXEC transactions (RedisTable.insert_with), TfdeRedisAccum
+adds on the server through a Lua script, TfdeRedisRemove, TfdeRedisSize,
+TfdeRedisClear and TfdeRedisExport (HSCAN); all retry with backoff.  redis-py
+serves what runs once per table, in Python: opening (the credentials, the
+meta key, the import from model_tag_import) and close's expiry.  The tables
+work eagerly, in tf.function and under model.fit, in the process that
+created them.  A find of n keys costs one pipelined round trip per server.
 
-Errors (both paths alike, tfde/errors.py): transient failures are retried
+Errors (both clients alike, tfde/errors.py): transient failures are retried
 with backoff, then raise BackendUnavailableError (tf.errors.UnavailableError
 in graphs); refusals raise at once BackendError / CapacityError /
 CredentialsError (FailedPrecondition / ResourceExhausted in graphs).
@@ -40,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import itertools
 import os
 import threading
 import time
@@ -63,11 +61,8 @@ from tfde.errors import (
     ConfigError,
     CredentialsError,
     ShapeError,
-    TfdeError,
     from_op_error,
-    graph_message,
     redis_error_kind,
-    tf_code,
 )
 from tfde.hashing import route_low_np, stable_hash_np, stable_hash_py
 from tfde.initializers import InitSpec
@@ -486,14 +481,9 @@ class RedisTable(Table, trackable_base.Trackable):
         self._buckets = [f"{prefix}:{name}:{tag}" for tag in self._tags]
         self._meta_key = f"{prefix}:{name}:meta"
         self._marker_prefix = f"{prefix}:{name}:applied"
-        self._itemsize = self.value_dtype.size
-        self._row_bytes = dim * self._itemsize
         self._key_width = {tf.int64: 8, tf.int32: 4}.get(self.key_dtype)
         self._ops = _native.load()  # every operation of the training path (no Python per call)
         self._attrs = native_attrs(config, self._buckets, name, credentials, self._meta_key, self._packed_meta())
-        self._exports = {}
-        self._export_ids = itertools.count(1)
-        self._lock = threading.Lock()
         self._call("open", lambda: _check_credentials(config, self._client))
         self._open_meta()
         self._watch()
@@ -653,66 +643,7 @@ class RedisTable(Table, trackable_base.Trackable):
             for s in range(0, len(idx), step):
                 yield int(b), idx[s : s + step]
 
-    # ------------------------------------------------------------ numpy side
-
-    def _np_export(self, cursor, max_rows):
-        """Chunks come from HSCAN over the buckets in turn; a cursor > 0 names
-        an export in progress, kept in this object between calls."""
-        cursor, max_rows = int(cursor), int(max_rows)
-        if max_rows <= 0:
-            raise ShapeError(f"export max_rows must be > 0, got {max_rows}")
-        with self._lock:
-            if cursor == 0:
-                cursor = next(self._export_ids)
-                self._exports[cursor] = self._scan_rows()
-                while len(self._exports) > 16:  # abandoned exports
-                    self._exports.pop(next(iter(self._exports)))
-            rows_iter = self._exports.get(cursor)
-        if rows_iter is None:
-            raise ShapeError(
-                f"export cursor {cursor} of Redis table {self.name!r} is unknown or finished; start again from 0"
-            )
-        fields, values = [], []
-        for field, value in itertools.islice(rows_iter, max_rows):
-            fields.append(field)
-            values.append(np.frombuffer(value, np.uint8))
-        done = len(fields) < max_rows
-        if not done:
-            try:  # look ahead one row so that the last chunk reports -1
-                peek = next(rows_iter)
-                self._exports[cursor] = itertools.chain([peek], rows_iter)
-            except StopIteration:
-                done = True
-        if done:
-            with self._lock:
-                self._exports.pop(cursor, None)
-        keys = (
-            self._keys_from_fields(fields)
-            if fields
-            else np.zeros(0, object if self._key_width is None else self.key_dtype.as_numpy_dtype)
-        )
-        rows = np.stack(values) if values else np.zeros((0, self._row_bytes), np.uint8)
-        return keys, rows, np.int64(-1 if done else cursor)
-
-    def _scan_rows(self):
-        # One HSCAN page at a time, so memory stays bounded by a page.  Like
-        # every Redis SCAN, a field may come twice while its hash resizes;
-        # importing an export is an upsert, so that is harmless.
-        for b in self._buckets:
-            cursor = 0
-            while True:
-                cursor, page = self._call("export", lambda b=b, c=cursor: self._reader.hscan(b, c, count=1000))
-                yield from page.items()
-                if cursor == 0:
-                    break
-
     # ------------------------------------------------------------ Table protocol
-
-    def _bytes_to_rows(self, raw):
-        raw.set_shape([None, self._row_bytes])
-        if self._itemsize == 1:
-            return tf.bitcast(raw, self.value_dtype)
-        return tf.bitcast(tf.reshape(raw, [-1, self.dim, self._itemsize]), self.value_dtype)
 
     def _native_call(self, what: str, fn):
         """fn() (a native op).  Eagerly, a failure is raised as the tfde
@@ -727,31 +658,6 @@ class RedisTable(Table, trackable_base.Trackable):
             return fn()
         except tf.errors.OpError as e:
             raise from_op_error(e) from None
-
-    def _py_op(self, fn, inp, Tout, name: str):
-        """tf.numpy_function(fn, inp, Tout, stateful=True) for the operations
-        that run in redis-py.  Eagerly fn's tfde errors propagate as they
-        are.  In a graph TensorFlow would report any exception raised in fn
-        as UNKNOWN, so there fn returns its tfde error as (code, message)
-        outputs instead and TfdeRaiseIfError (backends/redis/ops.cc) fails
-        with them: the error's TF code and message (tfde.errors tf_code,
-        graph_message), as the native ops do."""
-        if tf.executing_eagerly():
-            return tf.numpy_function(fn, inp, Tout, stateful=True, name=name)
-        single = not isinstance(Tout, (list, tuple))
-        touts = [Tout] if single else list(Tout)
-
-        def guarded(*args):
-            try:
-                out = fn(*args)
-            except TfdeError as e:
-                empty = [np.zeros(0, object if t == tf.string else t.as_numpy_dtype) for t in touts]
-                return [*empty, np.int32(tf_code(e)), graph_message(e).encode()]
-            return [*([out] if single else out), np.int32(0), b""]
-
-        *outs, code, message = tf.numpy_function(guarded, inp, touts + [tf.int32, tf.string], stateful=True, name=name)
-        outs = self._ops.tfde_raise_if_error(outs, code, message)
-        return outs[0] if single else outs
 
     def find(self, keys, missing):
         """Rows of `keys` and whether each was stored; missing keys get rows
@@ -896,14 +802,22 @@ class RedisTable(Table, trackable_base.Trackable):
         )
 
     def export_chunk(self, cursor, max_rows):
-        keys, raw, nxt = self._py_op(
-            self._np_export,
-            [tf.cast(cursor, tf.int64), tf.cast(max_rows, tf.int64)],
-            [self.key_dtype, tf.uint8, tf.int64],
-            name="tfde_redis_export",
+        """At most `max_rows` (keys, rows) from `cursor` (0 starts) and the
+        cursor to continue from, or -1: TfdeRedisExport walks the buckets
+        with HSCAN on the master (never a replica: a checkpoint must hold
+        every acknowledged write)."""
+        keys, rows, nxt = self._native_call(
+            "export",
+            lambda: self._ops.tfde_redis_export(
+                tf.cast(cursor, tf.int64),
+                tf.cast(max_rows, tf.int64),
+                Tkey=self.key_dtype,
+                Tvalue=self.value_dtype,
+                dim=self.dim,
+                **self._attrs,
+            ),
         )
-        keys.set_shape([None])
-        return keys, self._bytes_to_rows(raw), nxt
+        return keys, rows, nxt
 
     @property
     def files_dir(self):
