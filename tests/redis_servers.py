@@ -299,6 +299,12 @@ def cluster_with_replica():
     return _cache["cluster_with_replica"]
 
 
+def forget(name: str) -> None:
+    """A test stopped a server of deployment `name` (its helper's name): the
+    next call of the helper starts a new one."""
+    _cache.pop(name, None)
+
+
 @atexit.register
 def _stop_all():
     for proc in _procs:

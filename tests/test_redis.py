@@ -526,5 +526,11 @@ def test_read_access_slave_reads_a_replica(mode):
     np.testing.assert_array_equal(writer.find(keys, tf.zeros([1, 2]))[0].numpy(), [[2, 2], [2, 2], [3, 3]])
     assert "cmdstat_hmget" in primary.info("commandstats")
     assert int(reader.size()) == 3 and int(reader.remove(keys[:1])) == 1 and primary.hlen(bucket) == 2
+    # The replica dies: the next lookups read the master (this deployment is
+    # this test's alone; the next call of its helper starts a new one).
+    secondary.shutdown(nosave=True)
+    redis_servers.forget("sentinel_with_replica" if mode == 1 else "cluster_with_replica")
+    for read in (lambda: reader.find(keys, tf.zeros([1, 2]))[0], lambda: find(keys)):
+        np.testing.assert_array_equal(read().numpy(), [[0, 0], [2, 2], [3, 3]])
     reader.clear()
     assert primary.exists(bucket) == 0

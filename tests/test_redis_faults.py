@@ -201,10 +201,12 @@ def test_accum_whose_reply_was_lost_is_applied_once(tag, lost):
         np.testing.assert_array_equal(table.find(keys, tf.zeros([1, 4]))[0].numpy(), np.full((len(keys), 4), 3.0))
         # In a graph too, and remove / size / clear on the same client.
         accum = tf.function(lambda k, d: table.accum(k, d, zero))
+        accum(tf.constant(keys), tf.zeros([len(keys), 4]))  # the graph's kernel connected, the table checked
         proxy.inject("close", at=lost)
         accum(tf.constant(keys), tf.fill([len(keys), 4], 0.5))
         assert proxy.injected == 2
         np.testing.assert_array_equal(var.lookup(keys).numpy(), np.full((len(keys), 4), 3.5))
+        proxy.inject("close", at=0)  # a retried remove counts what it removed
         assert int(table.remove(keys[:3])) == 3 and int(table.size()) == len(keys) - 3
         assert int(table.remove(keys[:3])) == 0
         table.clear()
@@ -571,7 +573,12 @@ def test_export_walks_every_bucket_in_bounded_chunks_through_faults(tag):
                 proxy.inject("-ERR injected refusal", at=0)
                 with pytest.raises(tfde.BackendError, match=f"refused export of table '{TABLE}'"):
                     table.export_chunk(cursor, 700)
+                assert proxy.pending == 0  # the call needed a page, and the refusal hit it
+                other = _variable(proxy.port, tag, name="w").tables[0]
+                with pytest.raises(tfde.ShapeError, match="unknown or finished"):
+                    other.export_chunk(cursor, 700)  # another table's cursor
             chunk_keys, chunk_rows, nxt = table.export_chunk(cursor, 700) if calls < 3 else in_graph(cursor)
+            assert proxy.pending == 0
             assert len(chunk_keys) <= 700 and (int(nxt) == -1 or len(chunk_keys) == 700)
             seen.update(zip(chunk_keys.numpy().tolist(), chunk_rows.numpy()))
             cursor, calls = int(nxt), calls + 1
@@ -579,8 +586,8 @@ def test_export_walks_every_bucket_in_bounded_chunks_through_faults(tag):
         assert sorted(seen) == keys.tolist()
         for k in (1, 1500, 3000):
             np.testing.assert_array_equal(seen[k], _rows(np.array([k]))[0])
-        with pytest.raises(tfde.ShapeError, match="cursor 12345 .* unknown or finished; start again from 0"):
-            table.export_chunk(12345, 10)
+        with pytest.raises(tfde.ShapeError, match=f"cursor {2**62} .* unknown or finished; start again from 0"):
+            table.export_chunk(2**62, 10)
         with pytest.raises(tfde.ShapeError, match="max_rows must be > 0"):
             table.export_chunk(0, 0)
         redis.Redis().hset(f"{tag}:{TABLE}:{{0}}", b"12345678", b"short")

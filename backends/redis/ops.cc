@@ -669,16 +669,25 @@ const char* ValueKind(DataType dtype) {
   }
 }
 
-// 32 hex digits from the system's random source: a call's id in its
-// markers, unique across the processes sharing a table.
+// 32 hex digits drawn afresh from the system's random source on every call
+// (never a seeded generator, whose sequence a forked process would repeat):
+// a call's id in its markers, unique across the processes sharing a table.
 std::string RandomCallId() {
-  static std::mutex mu;
-  static std::mt19937_64 rng{std::random_device{}()};
-  std::lock_guard<std::mutex> lock(mu);
+  std::random_device source;
   char out[33];
-  std::snprintf(out, sizeof(out), "%016llx%016llx", static_cast<unsigned long long>(rng()),
-                static_cast<unsigned long long>(rng()));
+  std::snprintf(out, sizeof(out), "%08x%08x%08x%08x", source(), source(), source(), source());
   return out;
+}
+
+// The prefix of bucket `bucket`'s markers: the bucket's own name when it has
+// a hash tag (its first non-empty {...}, which the marker then shares), else
+// the whole name as the tag.  Either way a marker lies in its bucket's
+// cluster slot, as a script's keys must.
+std::string MarkerBase(const std::string& bucket) {
+  const size_t open = bucket.find('{');
+  const size_t close = open == std::string::npos ? std::string::npos : bucket.find('}', open + 1);
+  if (close != std::string::npos && close > open + 1) return bucket;
+  return "{" + bucket + "}";
 }
 
 template <class TK>
@@ -688,13 +697,16 @@ class RedisAccumOp : public RedisOpBase {
     if (!ctx->status().ok()) return;
     int64_t ttl;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("script", &script_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("marker_prefix", &marker_prefix_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("marker_tags", &marker_tags_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("marker_ttl_s", &ttl));
     OP_REQUIRES(ctx, !script_.empty(), errors::InvalidArgument("TfdeRedisAccum needs the accum script"));
-    OP_REQUIRES(ctx, marker_tags_.size() == buckets_.size(),
-                errors::InvalidArgument("TfdeRedisAccum of ", Describe(), " needs one marker tag per bucket (",
-                                        buckets_.size(), "), got ", marker_tags_.size()));
+    for (const std::string& bucket : buckets_) {
+      marker_bases_.push_back(MarkerBase(bucket) + ":applied:");
+      // A bucket named "a{}b{c}" hashes whole but its marker would hash "c".
+      OP_REQUIRES(ctx, resp::KeySlot(marker_bases_.back()) == resp::KeySlot(bucket),
+                  errors::InvalidArgument("the accum markers of bucket '", bucket,
+                                          "' would lie in another cluster slot than the bucket; give the bucket "
+                                          "a hash tag ({...}) in redis_hash_tags_runtime"));
+    }
     OP_REQUIRES(ctx, ttl >= 1, errors::InvalidArgument("marker_ttl_s must be >= 1 second, got ", ttl));
     ttl_ = std::to_string(ttl);
     dim_text_ = std::to_string(dim_);
@@ -729,7 +741,7 @@ class RedisAccumOp : public RedisOpBase {
     std::vector<resp::Command> commands;
     for (size_t b = 0; b < by_bucket.size(); ++b) {
       for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
-        markers.push_back(marker_prefix_ + ":" + call + ":" + std::to_string(commands.size()) + marker_tags_[b]);
+        markers.push_back(marker_bases_[b] + call + ":" + std::to_string(commands.size()));
         resp::Command c{buckets_[b],
                         {"EVAL", script_, "2", buckets_[b], markers.back(), ValueKind(value_dtype_), dim_text_, ttl_}};
         for (size_t k = s; k < std::min(s + chunk_, by_bucket[b].size()); ++k) {
@@ -752,8 +764,8 @@ class RedisAccumOp : public RedisOpBase {
   }
 
  private:
-  std::string script_, marker_prefix_, ttl_, dim_text_;
-  std::vector<std::string> marker_tags_;  // hash tag of each bucket, for its markers
+  std::string script_, ttl_, dim_text_;
+  std::vector<std::string> marker_bases_;  // per bucket: its markers' names up to the call id
 };
 
 template <class TK>
@@ -783,14 +795,16 @@ class RedisRemoveOp : public RedisOpBase {
       }
     }
     // HDEL counts each distinct present field once per command (duplicates
-    // in one chunk once, like the other backends); a retry's count is the
-    // one that stands.
+    // in one chunk once, like the other backends).  A retry resends every
+    // HDEL, and those already applied then answer 0: the larger count
+    // stands.  (A reply lost after its HDEL ran still undercounts: the
+    // count is what the server reported, the removal itself is exact.)
     std::vector<int64_t> counts(commands.size(), 0);
     try {
       client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
         if (r.type != resp::Reply::kInteger)
           throw resp::Error("a malformed HDEL reply for " + std::string(commands[c].key), true);
-        counts[c] = r.integer;
+        counts[c] = std::max(counts[c], r.integer);
       });
     } catch (const std::exception& e) {
       Fail(ctx, "remove", e);
@@ -850,8 +864,6 @@ REGISTER_OP("TfdeRedisAccum")
     .Input("init: Tvalue")
     .Output("applied: int64")
     .TFDE_REDIS_ATTRS.Attr("script: string")
-    .Attr("marker_prefix: string")
-    .Attr("marker_tags: list(string)")
     .Attr("marker_ttl_s: int = 3600")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
@@ -896,14 +908,17 @@ REGISTER_KERNEL_BUILDER(Name("TfdeRedisClear").Device(::tensorflow::DEVICE_CPU),
 // again.  Like every SCAN, a key may come twice while its hash is resized;
 // importing an export is an upsert, so that is harmless.
 struct ExportState {
+  std::string table;                                     // whose export it is (RedisExportOp::Identity)
+  uint64_t used = 0;                                     // when it was last kept (exports_tick)
   size_t bucket = 0;                                     // the bucket being scanned
   std::string scan = "0";                                // its HSCAN cursor
   std::deque<std::pair<std::string, std::string>> rows;  // (field, row) fetched, not returned yet
 };
-constexpr size_t kMaxOpenExports = 64;  // abandoned exports beyond this are dropped, oldest first
+constexpr size_t kMaxOpenExports = 64;  // abandoned exports beyond this are dropped, least recently used first
 constexpr int kScanCount = 1000;        // HSCAN COUNT: fields per page, roughly
 std::mutex exports_mu;
 int64_t next_export = 1;
+uint64_t exports_tick = 0;
 std::map<int64_t, ExportState>& Exports() {
   static auto* exports = new std::map<int64_t, ExportState>();
   return *exports;
@@ -933,9 +948,11 @@ class RedisExportOp : public RedisOpBase {
       std::lock_guard<std::mutex> lock(exports_mu);
       if (cursor == 0) {
         id = next_export++;
+        state.table = Identity();
       } else {
         auto it = Exports().find(cursor);
-        OP_REQUIRES(ctx, it != Exports().end(),
+        // Another table's cursor is as unknown here as a finished one.
+        OP_REQUIRES(ctx, it != Exports().end() && it->second.table == Identity(),
                     errors::InvalidArgument("tfde.ShapeError: export cursor ", cursor, " of ", Describe(),
                                             " is unknown or finished; start again from 0"));
         state = std::move(it->second);
@@ -967,9 +984,14 @@ class RedisExportOp : public RedisOpBase {
     Tensor* keys = nullptr;
     Tensor* values = nullptr;
     Tensor* next = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(n)}), &keys));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({static_cast<int64_t>(n), dim_}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &next));
+    ::absl::Status allocated = ctx->allocate_output(0, TensorShape({static_cast<int64_t>(n)}), &keys);
+    if (allocated.ok()) allocated = ctx->allocate_output(1, TensorShape({static_cast<int64_t>(n), dim_}), &values);
+    if (allocated.ok()) allocated = ctx->allocate_output(2, TensorShape({}), &next);
+    if (!allocated.ok()) {
+      if (cursor != 0) Keep(cursor, std::move(state));
+      ctx->CtxFailure(allocated);
+      return;
+    }
     auto flat = keys->flat<TK>();
     char* out = const_cast<char*>(values->tensor_data().data());
     for (size_t i = 0; i < n; ++i) {
@@ -1018,10 +1040,23 @@ class RedisExportOp : public RedisOpBase {
     }
   }
 
+  // Which table an export walks: its servers, buckets and row type.
+  std::string Identity() const {
+    std::string id = Describe();
+    for (const std::string& bucket : buckets_) id += "\n" + bucket;
+    return id;
+  }
+
   static void Keep(int64_t id, ExportState state) {
     std::lock_guard<std::mutex> lock(exports_mu);
+    state.used = ++exports_tick;
     Exports()[id] = std::move(state);
-    while (Exports().size() > kMaxOpenExports) Exports().erase(Exports().begin());
+    while (Exports().size() > kMaxOpenExports) {
+      auto oldest = Exports().begin();
+      for (auto it = Exports().begin(); it != Exports().end(); ++it)
+        if (it->second.used < oldest->second.used) oldest = it;
+      Exports().erase(oldest);
+    }
   }
 };
 

@@ -41,6 +41,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -55,6 +56,7 @@ constexpr int kClusterSlots = 16384;
 constexpr int kBackoffBaseMs = 50;   // first retry delay; doubles per retry
 constexpr int kBackoffMaxMs = 1000;  // longest delay between retries
 constexpr size_t kReadChunk = 1 << 16;
+constexpr int kReplicaPauseMs = 30000;  // reads stay on the master this long after a replica failed
 
 constexpr int64_t kMaxBulkBytes = int64_t{512} << 20;  // Redis's own proto-max-bulk-len default
 constexpr int64_t kMaxReserve = 1 << 16;               // array slots reserved up front; more grow as read
@@ -353,8 +355,11 @@ struct Config {
   std::function<void(const std::string&)> on_recreate;
   // Reads from a replica (redis_read_access_slave; only the find op asks):
   // in a cluster each slot's first replica (READONLY on every connection),
-  // with sentinels a replica they report up, at random; the master when
-  // there is none.  Such a client must only read: replicas refuse writes.
+  // with sentinels a replica they report up and in sync, at random; the
+  // master when there is none.  A replica that fails (unreachable, or
+  // without the table's meta key: lagging or resyncing) sends the client to
+  // the master, on the retry, for kReplicaPauseMs.  Such a client must only
+  // read: replicas refuse writes.
   bool read_from_replicas = false;
 };
 
@@ -394,9 +399,12 @@ class Client {
         last = e.what();
         // Reconnect (and find the master or the slots again) on the next
         // attempt: a "not now" such as READONLY or MASTERDOWN may mean the
-        // master moved.
+        // master moved.  A client reading a replica reads the master for a
+        // while (Config::read_from_replicas).
         connections_.clear();
         discovered_ = false;
+        if (!replica_nodes_.empty())
+          replicas_paused_until_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(kReplicaPauseMs);
       }
     }
     throw Error(last, ErrorKind::kTransient);
@@ -426,6 +434,10 @@ class Client {
  private:
   // false: a MOVED/ASK reply (the slot map changed); the caller retries.
   bool TryPipeline(const std::vector<Command>& commands, const std::function<void(size_t, const Reply&)>& deliver) {
+    if (discovered_ && paused_reads_ && !ReplicasPaused()) {
+      connections_.clear();  // the pause is over: find the replicas again
+      discovered_ = false;
+    }
     Discover();
     std::map<std::string, std::vector<size_t>> by_node;
     for (size_t i = 0; i < commands.size(); ++i) by_node[NodeOf(commands[i].key)].push_back(i);
@@ -505,7 +517,16 @@ class Client {
   // connection but in a cluster): the key must still be there (see Config).
   void CheckTable(Connection& c, const std::string& node) const {
     if (config_.meta_key.empty() || NodeOf(config_.meta_key) != node) return;
-    if (config_.recreate_meta && config_.read_from_replicas) return;  // a replica: its master rewrites the key
+    if (replica_nodes_.count(node) != 0) {
+      // A replica without the key may lag or resync: a transient failure,
+      // and the retry reads the master, which decides (and recreates).
+      const Reply r = Call(c, {"EXISTS", config_.meta_key});
+      if (r.type != Reply::kInteger || r.integer == 0)
+        throw Error("replica " + c.Address() + " does not hold table '" + config_.table_name +
+                        "' (lagging or resyncing); reading the master instead",
+                    true);
+      return;
+    }
     if (config_.recreate_meta) {
       const Reply r = Call(c, {"SET", config_.meta_key, config_.meta_value, "NX"});
       if (r.type == Reply::kStatus && config_.on_recreate)
@@ -533,8 +554,13 @@ class Client {
     }
   }
 
+  bool ReplicasPaused() const { return std::chrono::steady_clock::now() < replicas_paused_until_; }
+
   void Discover() {
     if (discovered_) return;
+    replica_nodes_.clear();
+    paused_reads_ = config_.read_from_replicas && ReplicasPaused();
+    const bool replicas = config_.read_from_replicas && !paused_reads_;
     std::string last = "no servers configured";
     if (config_.mode == 2) {
       server_ = config_.servers.at(0).first + ":" + std::to_string(config_.servers.at(0).second);
@@ -550,10 +576,10 @@ class Client {
           if (r.type != Reply::kArray || r.elements.size() != 2)
             throw Error(c.Address() + " knows no master named '" + config_.master_name + "'", false);
           server_ = r.elements[0].str + ":" + r.elements[1].str;
-          if (config_.read_from_replicas) PickReplica(Call(c, {"SENTINEL", "replicas", config_.master_name}));
+          if (replicas) PickReplica(c);
         } else {
           Authenticate(c, config_.user, config_.password);
-          LoadSlots(Call(c, {"CLUSTER", "SLOTS"}), c.Address());
+          LoadSlots(Call(c, {"CLUSTER", "SLOTS"}), c.Address(), replicas);
         }
         discovered_ = true;
         return;
@@ -565,7 +591,7 @@ class Client {
     throw Error(last, true);
   }
 
-  void LoadSlots(const Reply& r, const std::string& from) {
+  void LoadSlots(const Reply& r, const std::string& from, bool replicas) {
     slot_nodes_.assign(kClusterSlots, "");
     if (r.type != Reply::kArray) throw Error(from + " sent a malformed CLUSTER SLOTS reply", false);
     for (const Reply& range : r.elements) {
@@ -575,11 +601,11 @@ class Client {
       const int64_t lo = range.elements[0].integer, hi = range.elements[1].integer;
       const Reply& node = range.elements[2];
       // Entries after the master are its replicas.
-      const Reply& reader = config_.read_from_replicas && range.elements.size() > 3 &&
-                                    range.elements[3].type == Reply::kArray && range.elements[3].elements.size() >= 2
-                                ? range.elements[3]
-                                : node;
+      const bool replica = replicas && range.elements.size() > 3 && range.elements[3].type == Reply::kArray &&
+                           range.elements[3].elements.size() >= 2;
+      const Reply& reader = replica ? range.elements[3] : node;
       const std::string addr = reader.elements[0].str + ":" + std::to_string(reader.elements[1].integer);
+      if (replica) replica_nodes_.insert(addr);
       for (int64_t s = lo; s <= hi && s < kClusterSlots; ++s)
         if (s >= 0) slot_nodes_[static_cast<size_t>(s)] = addr;
     }
@@ -587,17 +613,27 @@ class Client {
       if (n.empty()) throw Error(from + ": the cluster does not cover every slot", false);
   }
 
-  // server_ := a replica the sentinels report up (not s_down / o_down /
-  // disconnected), chosen at random; it stays the master when none is.
-  void PickReplica(const Reply& r) {
+  // server_ := a replica the sentinel `c` reports up (not s_down / o_down /
+  // disconnected) and in sync (master-link-status ok), chosen at random; it
+  // stays the master when there is none, or when the sentinel refuses
+  // SENTINEL replicas (before Redis 5, or an ACL without it).
+  void PickReplica(Connection& c) {
+    Reply r;
+    try {
+      r = Call(c, {"SENTINEL", "replicas", config_.master_name});
+    } catch (const Error& e) {
+      if (e.transient()) throw;
+      return;
+    }
     std::vector<std::string> up;
     for (const Reply& replica : r.type == Reply::kArray ? r.elements : std::vector<Reply>{}) {
       std::map<std::string, std::string> fields;
       for (size_t i = 0; i + 1 < replica.elements.size(); i += 2)
         fields[replica.elements[i].str] = replica.elements[i + 1].str;
       const std::string& flags = fields["flags"];
-      if (fields["ip"].empty() || fields["port"].empty() || flags.find("s_down") != std::string::npos ||
-          flags.find("o_down") != std::string::npos || flags.find("disconnected") != std::string::npos)
+      if (fields["ip"].empty() || fields["port"].empty() || fields["master-link-status"] != "ok" ||
+          flags.find("s_down") != std::string::npos || flags.find("o_down") != std::string::npos ||
+          flags.find("disconnected") != std::string::npos)
         continue;
       up.push_back(fields["ip"] + ":" + fields["port"]);
     }
@@ -606,6 +642,7 @@ class Client {
     static std::mt19937 rng{std::random_device{}()};
     std::lock_guard<std::mutex> lock(rng_mu);
     server_ = up[std::uniform_int_distribution<size_t>(0, up.size() - 1)(rng)];
+    replica_nodes_.insert(server_);
   }
 
   Config config_;
@@ -613,6 +650,9 @@ class Client {
   bool discovered_ = false;              // server_ / slot_nodes_ are current
   std::string server_;                   // modes 1, 2: "host:port" of the master, or a replica (see Config)
   std::vector<std::string> slot_nodes_;  // mode 0: "host:port" per cluster slot (a replica: see Config)
+  std::set<std::string> replica_nodes_;  // which of server_ / slot_nodes_ are replicas
+  std::chrono::steady_clock::time_point replicas_paused_until_{};  // see Config::read_from_replicas
+  bool paused_reads_ = false;  // discovered while paused: reading the master instead of replicas
   // By "host:port"; only connections whose stream is in step (every reply
   // read) are kept here.
   std::map<std::string, std::unique_ptr<Connection>> connections_;

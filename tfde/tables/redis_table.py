@@ -149,9 +149,9 @@ SENTINEL_PASSWORD_ENV = "TFDE_REDIS_SENTINEL_PASSWORD"
 
 
 def _connect(cfg: RedisTableConfig):
-    """(writer, reader) clients for the config's connection mode; the reader
-    is a replica when redis_read_access_slave is set (reads may then lag
-    writes), else the writer itself."""
+    """The redis-py client of a creator's tables, for the config's connection
+    mode.  It talks to the master only (opening tables, the import, expiry);
+    the native ops read replicas when redis_read_access_slave asks."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
@@ -170,19 +170,18 @@ def _connect(cfg: RedisTableConfig):
     # still there (_TableWatch); RedisCluster runs its own handshake first.
     watch = _TableWatch(handshake=cfg.redis_connection_mode != 0)
     common["redis_connect_func"] = watch
-    writer, reader = _connect_clients(cfg, common, servers, watch)
-    writer._tfde_watch = watch
-    return writer, reader
+    client = _connect_client(cfg, common, servers)
+    client._tfde_watch = watch
+    return client
 
 
-def _connect_clients(cfg: RedisTableConfig, common: dict, servers, watch):
+def _connect_client(cfg: RedisTableConfig, common: dict, servers):
     import redis
 
     if cfg.redis_connection_mode == 2:
-        client = redis.Redis(
+        return redis.Redis(
             host=servers[0][0], port=servers[0][1], db=cfg.redis_db, max_connections=cfg.redis_conn_pool_size, **common
         )
-        return client, client
     if cfg.redis_connection_mode == 1:
         from redis.sentinel import Sentinel
 
@@ -197,19 +196,12 @@ def _connect_clients(cfg: RedisTableConfig, common: dict, servers, watch):
             db=cfg.redis_db,
             **common,
         )
-        writer = sentinel.master_for(cfg.redis_master_name)
-        reader = (
-            sentinel.slave_for(cfg.redis_master_name, redis_connect_func=watch.reading)
-            if cfg.redis_read_access_slave
-            else writer
-        )
-        return writer, reader
+        return sentinel.master_for(cfg.redis_master_name)
     from redis.cluster import ClusterNode, RedisCluster
 
     try:
         client = RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in servers],
-            read_from_replicas=cfg.redis_read_access_slave,
             max_connections=cfg.redis_conn_pool_size,
             **common,
         )
@@ -220,7 +212,7 @@ def _connect_clients(cfg: RedisTableConfig, common: dict, servers, watch):
                 "node; use 2 for a standalone server or 1 for sentinels"
             ) from None
         raise BackendUnavailableError(f"Redis cluster at {cfg.describe_servers()} unreachable: {e}") from None
-    return client, client
+    return client
 
 
 def native_attrs(
@@ -293,7 +285,7 @@ class _TableWatch:
         with self._lock:
             self._tables[meta_key] = (table_name, meta)
 
-    def __call__(self, conn, writable: bool = True):
+    def __call__(self, conn):
         import redis
 
         if self._handshake:
@@ -301,8 +293,6 @@ class _TableWatch:
         with self._lock:
             tables = list(self._tables.items())
         for key, (name, meta) in tables:
-            if meta is not None and not writable:
-                continue  # a replica: its master rewrites the key
             try:
                 conn.send_command(*(("SET", key, meta, "NX") if meta is not None else ("EXISTS", key)))
                 found = conn.read_response()
@@ -320,9 +310,6 @@ class _TableWatch:
                 # socket and use it unchecked next time.
                 conn.disconnect()
                 raise BackendError(table_lost_message(f"{conn.host}:{conn.port}", name, key))
-
-    def reading(self, conn):
-        self(conn, writable=False)
 
 
 def _error_code(error) -> str:
@@ -469,18 +456,15 @@ class RedisTable(Table, trackable_base.Trackable):
 
     shared_between_workers = True  # every worker of a job reads and writes the same Redis tables
 
-    def __init__(
-        self, name, key_dtype, value_dtype, dim, config: RedisTableConfig, clients=None, credentials: str = ""
-    ):
+    def __init__(self, name, key_dtype, value_dtype, dim, config: RedisTableConfig, client=None, credentials: str = ""):
         self.key_dtype, self.value_dtype, self.dim = check_dtypes(key_dtype, value_dtype, dim)
         self.name = name
         self.config = config
-        self._client, self._reader = clients if clients is not None else _connect(config)
+        self._client = client if client is not None else _connect(config)
         prefix = config.key_prefix(config.model_tag_runtime)
         self._tags = config.hash_tags()
         self._buckets = [f"{prefix}:{name}:{tag}" for tag in self._tags]
         self._meta_key = f"{prefix}:{name}:meta"
-        self._marker_prefix = f"{prefix}:{name}:applied"
         self._key_width = {tf.int64: 8, tf.int32: 4}.get(self.key_dtype)
         self._ops = _native.load()  # every operation of the training path (no Python per call)
         self._attrs = native_attrs(config, self._buckets, name, credentials, self._meta_key, self._packed_meta())
@@ -595,7 +579,7 @@ class RedisTable(Table, trackable_base.Trackable):
             cursor = 0
             while True:
                 cursor, page = self._call(
-                    "import", lambda c=cursor, t=tag: self._reader.hscan(f"{prefix}:{self.name}:{t}", c, count=1000)
+                    "import", lambda c=cursor, t=tag: self._client.hscan(f"{prefix}:{self.name}:{t}", c, count=1000)
                 )
                 if page:
                     fields = list(page)
@@ -771,8 +755,6 @@ class RedisTable(Table, trackable_base.Trackable):
                 init,
                 dim=self.dim,
                 script=_ACCUM_LUA,
-                marker_prefix=self._marker_prefix,
-                marker_tags=self._tags,
                 marker_ttl_s=ACCUM_MARKER_TTL_S,
                 **self._attrs,
             ),
@@ -906,7 +888,7 @@ class RedisTableCreator(TableCreator):
 
     def __init__(self, config: Union[RedisTableConfig, dict, str, None] = None) -> None:
         self.config = RedisTableConfig.load(config)
-        self._clients = None
+        self._client = None
         self._credentials = None
         self.tables = []
 
@@ -931,11 +913,11 @@ class RedisTableCreator(TableCreator):
         return ident.decode()
 
     def create(self, name: str, key_dtype: tf.DType, value_dtype: tf.DType, dim: int) -> RedisTable:
-        if self._clients is None:
-            self._clients = _connect(self.config)
+        if self._client is None:
+            self._client = _connect(self.config)
             self._credentials = self._register_credentials()
         table = RedisTable(
-            name, key_dtype, value_dtype, dim, self.config, clients=self._clients, credentials=self._credentials
+            name, key_dtype, value_dtype, dim, self.config, client=self._client, credentials=self._credentials
         )
         self.tables.append(table)
         return table
