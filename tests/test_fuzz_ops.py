@@ -31,7 +31,7 @@ from tfde import _native, hashing
 from tfde.errors import TfdeError
 from tfde.initializers import InitSpec, init_rows_reference
 from tfde.tables import CuckooTableCreator, ReferenceTableCreator
-from tfde.tables.redis_table import _ACCUM_LUA
+from tfde.tables.redis_table import _ACCUM_LUA, _REMOVE_LUA
 
 OPS = _native.load()
 FUZZ_SEED = int(os.environ.get("TFDE_FUZZ_SEED", "15"))
@@ -1060,7 +1060,12 @@ def test_redis_ops_answer_like_the_reference_or_refuse(
                 if not (bad is None or bad.startswith("keys_") or bad.endswith("_attr") or bad == "no_buckets"):
                     bad = "keys_rank2"
                 call = lambda: run_op(
-                    mode, "tfde_redis_remove", keys_arg(keys, key_dtype, bad), Tvalue=value_dtype, **attrs
+                    mode,
+                    "tfde_redis_remove",
+                    keys_arg(keys, key_dtype, bad),
+                    Tvalue=value_dtype,
+                    script=_REMOVE_LUA,
+                    **attrs,
                 )
                 if bad:
                     before = redis_contents(prefix)

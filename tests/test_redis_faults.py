@@ -188,7 +188,8 @@ def test_accum_whose_reply_was_lost_is_applied_once(tag, lost):
     script `lost` of 4 (2 buckets x 2 chunks): every chunk before it was
     applied and answered, that one was applied, the rest may or may not
     have run.  The client sends them all again; each chunk's marker makes
-    a second run a no-op, so every key is added to exactly once."""
+    a second run a no-op, so every key is added to exactly once.  Remove
+    likewise removes and counts each key once."""
     keys = _balanced_keys(8)
     zero = tfde.initializers.InitSpec("constant", 0.0)
     with FaultProxy(6379) as proxy:
@@ -206,9 +207,13 @@ def test_accum_whose_reply_was_lost_is_applied_once(tag, lost):
         accum(tf.constant(keys), tf.fill([len(keys), 4], 0.5))
         assert proxy.injected == 2
         np.testing.assert_array_equal(var.lookup(keys).numpy(), np.full((len(keys), 4), 3.5))
-        proxy.inject("close", at=0)  # a retried remove counts what it removed
-        assert int(table.remove(keys[:3])) == 3 and int(table.size()) == len(keys) - 3
-        assert int(table.remove(keys[:3])) == 0
+        # remove: one script per chunk; the reply of chunk `lost` is lost
+        # after it ran, and the retried call still counts every key once.
+        assert int(table.remove(keys[-1:] + 10**6)) == 0  # its kernel connected, the table checked
+        proxy.inject("close", at=lost)
+        assert int(table.remove(keys)) == len(keys) and int(table.size()) == 0
+        assert proxy.injected == 3 and int(table.remove(keys[:3])) == 0
+        table.accum(keys, tf.ones([len(keys), 4]), zero)
         table.clear()
         assert int(table.size()) == 0
 

@@ -651,7 +651,10 @@ TFDE_REGISTER_REDIS_GROUP(tstring);
 //                    EVAL first sets a marker key unique to that chunk of this
 //                    call (SET NX EX, in the bucket's hash slot), so a chunk
 //                    sent again by a retry after a lost reply is applied once.
-//   TfdeRedisRemove: HDEL per (bucket, chunk); returns how many were there.
+//   TfdeRedisRemove: HDEL of a (bucket, chunk)'s fields in a Lua script
+//                    (redis_table.py _REMOVE_LUA) that keeps its count in a
+//                    marker like accum's, so a retried chunk answers the
+//                    same count: returns how many keys were there.
 //   TfdeRedisSize:   HLEN of every bucket, summed.
 //   TfdeRedisClear:  DEL of every bucket.
 
@@ -690,6 +693,21 @@ std::string MarkerBase(const std::string& bucket) {
   return "{" + bucket + "}";
 }
 
+// The names of the markers of `buckets` for the script `what` ("applied",
+// "removed") up to the call id, one per bucket; refused when one would lie
+// in another cluster slot than its bucket (a bucket named "a{}b{c}" hashes
+// whole, its marker would hash "c").
+::absl::Status MarkerBases(const std::vector<std::string>& buckets, const char* what, std::vector<std::string>* out) {
+  for (const std::string& bucket : buckets) {
+    out->push_back(MarkerBase(bucket) + ":" + what + ":");
+    if (resp::KeySlot(out->back()) != resp::KeySlot(bucket))
+      return errors::InvalidArgument("the markers of bucket '", bucket,
+                                     "' would lie in another cluster slot than the bucket; give the bucket a hash "
+                                     "tag ({...}) in redis_hash_tags_runtime");
+  }
+  return ::absl::OkStatus();
+}
+
 template <class TK>
 class RedisAccumOp : public RedisOpBase {
  public:
@@ -699,14 +717,7 @@ class RedisAccumOp : public RedisOpBase {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("script", &script_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("marker_ttl_s", &ttl));
     OP_REQUIRES(ctx, !script_.empty(), errors::InvalidArgument("TfdeRedisAccum needs the accum script"));
-    for (const std::string& bucket : buckets_) {
-      marker_bases_.push_back(MarkerBase(bucket) + ":applied:");
-      // A bucket named "a{}b{c}" hashes whole but its marker would hash "c".
-      OP_REQUIRES(ctx, resp::KeySlot(marker_bases_.back()) == resp::KeySlot(bucket),
-                  errors::InvalidArgument("the accum markers of bucket '", bucket,
-                                          "' would lie in another cluster slot than the bucket; give the bucket "
-                                          "a hash tag ({...}) in redis_hash_tags_runtime"));
-    }
+    OP_REQUIRES_OK(ctx, MarkerBases(buckets_, "applied", &marker_bases_));
     OP_REQUIRES(ctx, ttl >= 1, errors::InvalidArgument("marker_ttl_s must be >= 1 second, got ", ttl));
     ttl_ = std::to_string(ttl);
     dim_text_ = std::to_string(dim_);
@@ -771,7 +782,16 @@ class RedisAccumOp : public RedisOpBase {
 template <class TK>
 class RedisRemoveOp : public RedisOpBase {
  public:
-  using RedisOpBase::RedisOpBase;
+  explicit RedisRemoveOp(OpKernelConstruction* ctx) : RedisOpBase(ctx) {
+    if (!ctx->status().ok()) return;
+    int64_t ttl;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("script", &script_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("marker_ttl_s", &ttl));
+    OP_REQUIRES(ctx, !script_.empty(), errors::InvalidArgument("TfdeRedisRemove needs the remove script"));
+    OP_REQUIRES(ctx, ttl >= 1, errors::InvalidArgument("marker_ttl_s must be >= 1 second, got ", ttl));
+    OP_REQUIRES_OK(ctx, MarkerBases(buckets_, "removed", &marker_bases_));
+    ttl_ = std::to_string(ttl);
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& keys = ctx->input(0);
@@ -785,26 +805,27 @@ class RedisRemoveOp : public RedisOpBase {
     std::vector<std::string> fields;
     std::vector<std::vector<int64_t>> by_bucket;
     Route<TK>(keys, &hashes, &fields, &by_bucket);
+    const std::string call = RandomCallId();
+    std::deque<std::string> markers;  // never moves: the commands hold views
     std::vector<resp::Command> commands;
     for (size_t b = 0; b < by_bucket.size(); ++b) {
       for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
-        resp::Command c{buckets_[b], {"HDEL", buckets_[b]}};
+        markers.push_back(marker_bases_[b] + call + ":" + std::to_string(commands.size()));
+        resp::Command c{buckets_[b], {"EVAL", script_, "2", buckets_[b], markers.back(), ttl_}};
         for (size_t k = s; k < std::min(s + chunk_, by_bucket[b].size()); ++k)
           c.args.push_back(fields[by_bucket[b][k]]);
         commands.push_back(std::move(c));
       }
     }
-    // HDEL counts each distinct present field once per command (duplicates
-    // in one chunk once, like the other backends).  A retry resends every
-    // HDEL, and those already applied then answer 0: the larger count
-    // stands.  (A reply lost after its HDEL ran still undercounts: the
-    // count is what the server reported, the removal itself is exact.)
+    // Each script counts the distinct present fields of its chunk and keeps
+    // the count in its marker; one sent again by a retry removes nothing and
+    // answers the kept count, so the total is exact.
     std::vector<int64_t> counts(commands.size(), 0);
     try {
       client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
         if (r.type != resp::Reply::kInteger)
-          throw resp::Error("a malformed HDEL reply for " + std::string(commands[c].key), true);
-        counts[c] = std::max(counts[c], r.integer);
+          throw resp::Error("a malformed remove script reply for " + std::string(commands[c].key), true);
+        counts[c] = r.integer;
       });
     } catch (const std::exception& e) {
       Fail(ctx, "remove", e);
@@ -814,6 +835,10 @@ class RedisRemoveOp : public RedisOpBase {
     for (int64_t k : counts) total += k;
     removed->scalar<int64_t>()() = total;
   }
+
+ private:
+  std::string script_, ttl_;
+  std::vector<std::string> marker_bases_;
 };
 
 // One command per bucket, no keys: HLEN (size) or DEL (clear).
@@ -871,7 +896,9 @@ REGISTER_OP("TfdeRedisAccum")
 REGISTER_OP("TfdeRedisRemove")
     .Input("keys: Tkey")
     .Output("removed: int64")
-    .TFDE_REDIS_ATTRS.SetIsStateful()
+    .TFDE_REDIS_ATTRS.Attr("script: string")
+    .Attr("marker_ttl_s: int = 3600")
+    .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
 
 REGISTER_OP("TfdeRedisSize")

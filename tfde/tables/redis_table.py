@@ -141,7 +141,20 @@ for i = 4, #ARGV, 3 do
 end
 return (#ARGV - 3) / 3
 """
-ACCUM_MARKER_TTL_S = 3600  # how long a chunk's applied-once marker lives
+# Removes fields and counts those that were there, once per chunk of a call:
+# KEYS[1]: the bucket hash; KEYS[2]: the chunk's marker (same hash slot),
+# which keeps the count, so a chunk retried after a lost reply removes nothing
+# more and answers the same count; ARGV: marker TTL in seconds, then the
+# fields.  A field given twice in a chunk counts once.
+_REMOVE_LUA = r"""
+local done = redis.call('GET', KEYS[2])
+if done then return tonumber(done) end
+local n = 0
+for i = 2, #ARGV do n = n + redis.call('HDEL', KEYS[1], ARGV[i]) end
+redis.call('SET', KEYS[2], n, 'EX', tonumber(ARGV[1]))
+return n
+"""
+ACCUM_MARKER_TTL_S = 3600  # how long a chunk's applied-once marker (accum, remove) lives
 # Where processes that did not create the tables (serving, load_model) find
 # the passwords, which configs and graphs never carry.
 PASSWORD_ENV = "TFDE_REDIS_PASSWORD"
@@ -764,7 +777,14 @@ class RedisTable(Table, trackable_base.Trackable):
         keys = as_keys(keys, self.key_dtype, self.name)
         return self._native_call(
             "remove",
-            lambda: self._ops.tfde_redis_remove(keys, Tvalue=self.value_dtype, dim=self.dim, **self._attrs),
+            lambda: self._ops.tfde_redis_remove(
+                keys,
+                Tvalue=self.value_dtype,
+                dim=self.dim,
+                script=_REMOVE_LUA,
+                marker_ttl_s=ACCUM_MARKER_TTL_S,
+                **self._attrs,
+            ),
         )
 
     def clear(self):
