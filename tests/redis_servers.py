@@ -115,30 +115,37 @@ def _password(extra):
     return extra[extra.index("--requirepass") + 1] if "--requirepass" in extra else None
 
 
+def _cluster_node(work: str) -> int:
+    """Port of a new cluster-enabled server (no slots yet) keeping its node
+    file in `work`."""
+
+    def start(p):
+        proc = _server(
+            "--port",
+            str(p),
+            "--bind",
+            "127.0.0.1",
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            f"nodes-{p}.conf",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            cwd=work,
+        )
+        _wait(lambda: redis.Redis(port=p).ping(), f"cluster node {p}", proc=proc)
+
+    return _on_a_free_port(start, pick=cluster_port)
+
+
 def cluster():
     """Ports of a 3-master cluster (no replicas), slots all assigned."""
     if "cluster" not in _cache:
         work = tempfile.mkdtemp(prefix="tfde-cluster-")
 
-        def start(p):
-            proc = _server(
-                "--port",
-                str(p),
-                "--bind",
-                "127.0.0.1",
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                f"nodes-{p}.conf",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                cwd=work,
-            )
-            _wait(lambda: redis.Redis(port=p).ping(), f"cluster node {p}", proc=proc)
-
-        ports = [_on_a_free_port(start, pick=cluster_port) for _ in range(3)]
+        ports = [_cluster_node(work) for _ in range(3)]
         subprocess.run(
             [
                 shutil.which("redis-cli"),
@@ -254,28 +261,7 @@ def cluster_with_replica():
     this is built by hand: ADDSLOTSRANGE, MEET, REPLICATE)."""
     if "cluster_with_replica" not in _cache:
         work = tempfile.mkdtemp(prefix="tfde-cluster-replica-")
-
-        def start(p):
-            proc = _server(
-                "--port",
-                str(p),
-                "--bind",
-                "127.0.0.1",
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                f"nodes-{p}.conf",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--replica-read-only",
-                "no",
-                cwd=work,
-            )
-            _wait(lambda: redis.Redis(port=p).ping(), f"cluster node {p}", proc=proc)
-
-        master, replica = (_on_a_free_port(start, pick=cluster_port) for _ in range(2))
+        master, replica = _cluster_node(work), _cluster_node(work)
         admin, follower = redis.Redis(port=master), redis.Redis(port=replica)
         admin.execute_command("CLUSTER ADDSLOTSRANGE 0 16383")
         follower.execute_command("CLUSTER MEET", "127.0.0.1", master)

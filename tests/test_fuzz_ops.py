@@ -962,6 +962,20 @@ def redis_contents(prefix):
     return out
 
 
+def redis_write(op, mode, call, prefix, bad, n) -> bool:
+    """A writing op's call: refused, changing nothing in Redis, when `bad`
+    (returns True); else, when `n` is given, run and answering n (returns
+    False: the caller applies it to the model, or runs it itself)."""
+    if bad:
+        before = redis_contents(prefix)
+        refused(op, mode, call)
+        assert redis_contents(prefix) == before, f"a refused {op} ({bad}) changed Redis"
+        return True
+    if n is not None:
+        assert int(answered(op, mode, call)) == n
+    return False
+
+
 BAD_REDIS = (
     "keys_rank0",
     "keys_rank2",
@@ -1027,12 +1041,7 @@ def test_redis_ops_answer_like_the_reference_or_refuse(
                     rows_arg(values, value_dtype, bad),
                     **attrs,
                 )
-                if bad:
-                    before = redis_contents(prefix)
-                    refused("TfdeRedisInsert", mode, call)
-                    assert redis_contents(prefix) == before, f"a refused insert ({bad}) wrote to Redis"
-                else:
-                    assert int(answered("TfdeRedisInsert", mode, call)) == n
+                if not redis_write("TfdeRedisInsert", mode, call, prefix, bad, n):
                     model.insert(keys, values)
             elif op == "accum":
                 deltas = rows(rng, n, dim, value_dtype)
@@ -1049,12 +1058,7 @@ def test_redis_ops_answer_like_the_reference_or_refuse(
                     script=_ACCUM_LUA,
                     **attrs,
                 )
-                if bad:
-                    before = redis_contents(prefix)
-                    refused("TfdeRedisAccum", mode, call)
-                    assert redis_contents(prefix) == before, f"a refused accum ({bad}) wrote to Redis"
-                else:
-                    assert int(answered("TfdeRedisAccum", mode, call)) == n
+                if not redis_write("TfdeRedisAccum", mode, call, prefix, bad, n):
                     model.accum(keys, deltas, spec_, defaults)
             elif op == "remove":
                 if not (bad is None or bad.startswith("keys_") or bad.endswith("_attr") or bad == "no_buckets"):
@@ -1067,11 +1071,7 @@ def test_redis_ops_answer_like_the_reference_or_refuse(
                     script=_REMOVE_LUA,
                     **attrs,
                 )
-                if bad:
-                    before = redis_contents(prefix)
-                    refused("TfdeRedisRemove", mode, call)
-                    assert redis_contents(prefix) == before, f"a refused remove ({bad}) changed Redis"
-                else:
+                if not redis_write("TfdeRedisRemove", mode, call, prefix, bad, None):
                     assert int(answered("TfdeRedisRemove", mode, call)) == model.remove(keys)
             else:
                 if bad in ("rows_count", "rows_dim", "rows_rank1"):

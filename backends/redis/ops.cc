@@ -708,20 +708,54 @@ std::string MarkerBase(const std::string& bucket) {
   return ::absl::OkStatus();
 }
 
-template <class TK>
-class RedisAccumOp : public RedisOpBase {
+// An op whose commands are EVALs of one Lua script (attr `script`), one per
+// (bucket, chunk of keys), each with a marker key of its own call and chunk
+// (KEYS[2], named "<bucket's marker base><what>:<call id>:<chunk>", living
+// marker_ttl_s seconds) through which a chunk resent by a retry is applied
+// once.
+class RedisScriptOp : public RedisOpBase {
  public:
-  explicit RedisAccumOp(OpKernelConstruction* ctx) : RedisOpBase(ctx) {
+  RedisScriptOp(OpKernelConstruction* ctx, const char* what) : RedisOpBase(ctx) {
     if (!ctx->status().ok()) return;
     int64_t ttl;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("script", &script_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("marker_ttl_s", &ttl));
-    OP_REQUIRES(ctx, !script_.empty(), errors::InvalidArgument("TfdeRedisAccum needs the accum script"));
-    OP_REQUIRES_OK(ctx, MarkerBases(buckets_, "applied", &marker_bases_));
+    OP_REQUIRES(ctx, !script_.empty(), errors::InvalidArgument(name(), " needs its Lua script"));
     OP_REQUIRES(ctx, ttl >= 1, errors::InvalidArgument("marker_ttl_s must be >= 1 second, got ", ttl));
+    OP_REQUIRES_OK(ctx, MarkerBases(buckets_, what, &marker_bases_));
     ttl_ = std::to_string(ttl);
-    dim_text_ = std::to_string(dim_);
   }
+
+ protected:
+  // The EVALs of one call: the script, its 2 keys, then `head`, then what
+  // add_key(i, &args) adds for each key i of the chunk.  The commands hold
+  // views of `markers` (which never moves) and of what head and add_key give.
+  std::vector<resp::Command> Commands(const std::vector<std::vector<int64_t>>& by_bucket,
+                                      const std::vector<std::string_view>& head,
+                                      const std::function<void(int64_t, std::vector<std::string_view>*)>& add_key,
+                                      std::deque<std::string>* markers) const {
+    const std::string call = RandomCallId();
+    std::vector<resp::Command> commands;
+    for (size_t b = 0; b < by_bucket.size(); ++b) {
+      for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
+        markers->push_back(marker_bases_[b] + call + ":" + std::to_string(commands.size()));
+        resp::Command c{buckets_[b], {"EVAL", script_, "2", buckets_[b], markers->back()}};
+        c.args.insert(c.args.end(), head.begin(), head.end());
+        for (size_t k = s; k < std::min(s + chunk_, by_bucket[b].size()); ++k) add_key(by_bucket[b][k], &c.args);
+        commands.push_back(std::move(c));
+      }
+    }
+    return commands;
+  }
+
+  std::string script_, ttl_;
+  std::vector<std::string> marker_bases_;  // per bucket: its markers' names up to the call id
+};
+
+template <class TK>
+class RedisAccumOp : public RedisScriptOp {
+ public:
+  explicit RedisAccumOp(OpKernelConstruction* ctx) : RedisScriptOp(ctx, "applied") { dim_text_ = std::to_string(dim_); }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& keys = ctx->input(0);
@@ -746,24 +780,16 @@ class RedisAccumOp : public RedisOpBase {
     const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
     const char* deltas = ctx->input(1).tensor_data().data();
     const char* init = ctx->input(2).tensor_data().data();
-    const std::string call = RandomCallId();
-    // The markers, in a list that never moves (the commands hold views).
     std::deque<std::string> markers;
-    std::vector<resp::Command> commands;
-    for (size_t b = 0; b < by_bucket.size(); ++b) {
-      for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
-        markers.push_back(marker_bases_[b] + call + ":" + std::to_string(commands.size()));
-        resp::Command c{buckets_[b],
-                        {"EVAL", script_, "2", buckets_[b], markers.back(), ValueKind(value_dtype_), dim_text_, ttl_}};
-        for (size_t k = s; k < std::min(s + chunk_, by_bucket[b].size()); ++k) {
-          const int64_t i = by_bucket[b][k];
-          c.args.push_back(fields[i]);
-          c.args.emplace_back(deltas + i * row_bytes, row_bytes);
-          c.args.emplace_back(init + i * row_bytes, row_bytes);
-        }
-        commands.push_back(std::move(c));
-      }
-    }
+    // ARGV: value kind, dim, marker TTL, then (field, delta, initial row) per key.
+    const std::vector<resp::Command> commands = Commands(
+        by_bucket, {ValueKind(value_dtype_), dim_text_, ttl_},
+        [&](int64_t i, std::vector<std::string_view>* args) {
+          args->push_back(fields[i]);
+          args->emplace_back(deltas + i * row_bytes, row_bytes);
+          args->emplace_back(init + i * row_bytes, row_bytes);
+        },
+        &markers);
     try {
       client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
         if (r.type != resp::Reply::kInteger)
@@ -775,23 +801,13 @@ class RedisAccumOp : public RedisOpBase {
   }
 
  private:
-  std::string script_, ttl_, dim_text_;
-  std::vector<std::string> marker_bases_;  // per bucket: its markers' names up to the call id
+  std::string dim_text_;
 };
 
 template <class TK>
-class RedisRemoveOp : public RedisOpBase {
+class RedisRemoveOp : public RedisScriptOp {
  public:
-  explicit RedisRemoveOp(OpKernelConstruction* ctx) : RedisOpBase(ctx) {
-    if (!ctx->status().ok()) return;
-    int64_t ttl;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("script", &script_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("marker_ttl_s", &ttl));
-    OP_REQUIRES(ctx, !script_.empty(), errors::InvalidArgument("TfdeRedisRemove needs the remove script"));
-    OP_REQUIRES(ctx, ttl >= 1, errors::InvalidArgument("marker_ttl_s must be >= 1 second, got ", ttl));
-    OP_REQUIRES_OK(ctx, MarkerBases(buckets_, "removed", &marker_bases_));
-    ttl_ = std::to_string(ttl);
-  }
+  explicit RedisRemoveOp(OpKernelConstruction* ctx) : RedisScriptOp(ctx, "removed") {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& keys = ctx->input(0);
@@ -805,18 +821,11 @@ class RedisRemoveOp : public RedisOpBase {
     std::vector<std::string> fields;
     std::vector<std::vector<int64_t>> by_bucket;
     Route<TK>(keys, &hashes, &fields, &by_bucket);
-    const std::string call = RandomCallId();
-    std::deque<std::string> markers;  // never moves: the commands hold views
-    std::vector<resp::Command> commands;
-    for (size_t b = 0; b < by_bucket.size(); ++b) {
-      for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
-        markers.push_back(marker_bases_[b] + call + ":" + std::to_string(commands.size()));
-        resp::Command c{buckets_[b], {"EVAL", script_, "2", buckets_[b], markers.back(), ttl_}};
-        for (size_t k = s; k < std::min(s + chunk_, by_bucket[b].size()); ++k)
-          c.args.push_back(fields[by_bucket[b][k]]);
-        commands.push_back(std::move(c));
-      }
-    }
+    std::deque<std::string> markers;
+    // ARGV: marker TTL, then the fields.
+    const std::vector<resp::Command> commands = Commands(
+        by_bucket, {ttl_}, [&](int64_t i, std::vector<std::string_view>* args) { args->push_back(fields[i]); },
+        &markers);
     // Each script counts the distinct present fields of its chunk and keeps
     // the count in its marker; one sent again by a retry removes nothing and
     // answers the kept count, so the total is exact.
@@ -835,10 +844,6 @@ class RedisRemoveOp : public RedisOpBase {
     for (int64_t k : counts) total += k;
     removed->scalar<int64_t>()() = total;
   }
-
- private:
-  std::string script_, ttl_;
-  std::vector<std::string> marker_bases_;
 };
 
 // One command per bucket, no keys: HLEN (size) or DEL (clear).
