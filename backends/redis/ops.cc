@@ -177,22 +177,26 @@ class RedisOpBase : public OpKernel {
   }
 
  protected:
-  // Keys grouped by bucket (the low half of the stable hash, multiply-shift,
+  // A batch's keys: their stable hashes, their Redis fields, and their
+  // positions grouped by bucket (the low half of the hash, multiply-shift,
   // as tfde/tables/redis_table.py lays them out), in batch order.
+  struct Routed {
+    std::vector<uint64_t> hashes;
+    std::vector<std::string> fields;
+    std::vector<std::vector<int64_t>> by_bucket;
+  };
   template <class TK>
-  void Route(const Tensor& keys, std::vector<uint64_t>* hashes, std::vector<std::string>* fields,
-             std::vector<std::vector<int64_t>>* by_bucket) const {
+  Routed Route(const Tensor& keys) const {
     auto flat = keys.flat<TK>();
     const int64_t n = keys.dim_size(0);
     const uint64_t nb = buckets_.size();
-    hashes->resize(n);
-    fields->resize(n);
-    by_bucket->assign(nb, {});
+    Routed r{std::vector<uint64_t>(n), std::vector<std::string>(n), std::vector<std::vector<int64_t>>(nb)};
     for (int64_t i = 0; i < n; ++i) {
-      (*hashes)[i] = HashOf<TK>(flat(i));
-      (*fields)[i] = FieldOf<TK>(flat(i));
-      (*by_bucket)[RedisBucketOf((*hashes)[i], nb)].push_back(i);
+      r.hashes[i] = HashOf<TK>(flat(i));
+      r.fields[i] = FieldOf<TK>(flat(i));
+      r.by_bucket[RedisBucketOf(r.hashes[i], nb)].push_back(i);
     }
+    return r;
   }
 
   // Fails ctx with an error naming the servers, the operation and the table,
@@ -268,19 +272,16 @@ class RedisFindOp : public RedisOpBase {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &values));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &exists));
     if (n == 0) return;
-    std::vector<uint64_t> hashes;
-    std::vector<std::string> fields;
-    std::vector<std::vector<int64_t>> by_bucket;
-    Route<TK>(keys, &hashes, &fields, &by_bucket);
+    const Routed keyed = Route<TK>(keys);
     // One HMGET per (bucket, chunk of keys); positions[c] = the keys of command c.
     std::vector<resp::Command> commands;
     std::vector<std::vector<int64_t>> positions;
-    for (size_t b = 0; b < by_bucket.size(); ++b) {
-      for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
+    for (size_t b = 0; b < keyed.by_bucket.size(); ++b) {
+      for (size_t s = 0; s < keyed.by_bucket[b].size(); s += chunk_) {
         resp::Command c{buckets_[b], {"HMGET", buckets_[b]}};
-        positions.emplace_back(by_bucket[b].begin() + s,
-                               by_bucket[b].begin() + std::min(s + chunk_, by_bucket[b].size()));
-        for (int64_t i : positions.back()) c.args.push_back(fields[i]);
+        positions.emplace_back(keyed.by_bucket[b].begin() + s,
+                               keyed.by_bucket[b].begin() + std::min(s + chunk_, keyed.by_bucket[b].size()));
+        for (int64_t i : positions.back()) c.args.push_back(keyed.fields[i]);
         commands.push_back(std::move(c));
       }
     }
@@ -297,7 +298,7 @@ class RedisFindOp : public RedisOpBase {
                            const int64_t i = positions[c][j];
                            const resp::Reply& value = r.elements[j];
                            if (value.type != resp::Reply::kBulk) {
-                             missing.template Fill<V>(i, hashes[i], dim_, out + i * row_bytes);
+                             missing.template Fill<V>(i, keyed.hashes[i], dim_, out + i * row_bytes);
                              ex[i] = false;
                              continue;
                            }
@@ -338,21 +339,18 @@ class RedisInsertOp : public RedisOpBase {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &written));
     written->scalar<int64_t>()() = n;
     if (n == 0) return;
-    std::vector<uint64_t> hashes;
-    std::vector<std::string> fields;
-    std::vector<std::vector<int64_t>> by_bucket;
-    Route<TK>(keys, &hashes, &fields, &by_bucket);
+    const Routed keyed = Route<TK>(keys);
     const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
     const char* rows = values.tensor_data().data();
     // One HSET per (bucket, chunk of keys), field value pairs in batch order:
     // a key given twice keeps its last row, as in every table.
     std::vector<resp::Command> commands;
-    for (size_t b = 0; b < by_bucket.size(); ++b) {
-      for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
+    for (size_t b = 0; b < keyed.by_bucket.size(); ++b) {
+      for (size_t s = 0; s < keyed.by_bucket[b].size(); s += chunk_) {
         resp::Command c{buckets_[b], {"HSET", buckets_[b]}};
-        for (size_t k = s; k < std::min(s + chunk_, by_bucket[b].size()); ++k) {
-          const int64_t i = by_bucket[b][k];
-          c.args.push_back(fields[i]);
+        for (size_t k = s; k < std::min(s + chunk_, keyed.by_bucket[b].size()); ++k) {
+          const int64_t i = keyed.by_bucket[b][k];
+          c.args.push_back(keyed.fields[i]);
           c.args.emplace_back(rows + i * row_bytes, row_bytes);
         }
         commands.push_back(std::move(c));
@@ -518,10 +516,7 @@ class RedisInsertGroupOp : public RedisOpBase {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &written));
     written->scalar<int64_t>()() = n;
     if (n == 0) return;
-    std::vector<uint64_t> hashes;
-    std::vector<std::string> fields;
-    std::vector<std::vector<int64_t>> by_bucket;
-    Route<TK>(keys, &hashes, &fields, &by_bucket);
+    const Routed keyed = Route<TK>(keys);
 
     // commands: per transaction MULTI, its HSETs, EXEC.  role[c] is -1 for a
     // MULTI, -2 for an EXEC, else the index into queued[tx_of[c]] of the HSET.
@@ -536,18 +531,18 @@ class RedisInsertGroupOp : public RedisOpBase {
       role.push_back(r);
     };
     for (size_t b = 0; b < nb; ++b) {
-      if (by_bucket[b].empty()) continue;
+      if (keyed.by_bucket[b].empty()) continue;
       if (per_bucket_ || queued.empty()) {
         queued.emplace_back();
         add(resp::Command{buckets_[b], {"MULTI"}}, -1);
       }
       for (size_t t = 0; t < tables; ++t) {
         const std::string& bucket = BucketOf(t, b);
-        for (size_t s = 0; s < by_bucket[b].size(); s += chunk_) {
+        for (size_t s = 0; s < keyed.by_bucket[b].size(); s += chunk_) {
           resp::Command c{bucket, {"HSET", bucket}};
-          for (size_t j = s; j < std::min(s + chunk_, by_bucket[b].size()); ++j) {
-            const int64_t i = by_bucket[b][j];
-            c.args.push_back(fields[i]);
+          for (size_t j = s; j < std::min(s + chunk_, keyed.by_bucket[b].size()); ++j) {
+            const int64_t i = keyed.by_bucket[b][j];
+            c.args.push_back(keyed.fields[i]);
             c.args.emplace_back(rows[t] + i * row_bytes[t], row_bytes[t]);
           }
           add(std::move(c), static_cast<int64_t>(queued.back().size()));
@@ -773,19 +768,16 @@ class RedisAccumOp : public RedisScriptOp {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &applied));
     applied->scalar<int64_t>()() = n;
     if (n == 0) return;
-    std::vector<uint64_t> hashes;
-    std::vector<std::string> fields;
-    std::vector<std::vector<int64_t>> by_bucket;
-    Route<TK>(keys, &hashes, &fields, &by_bucket);
+    const Routed keyed = Route<TK>(keys);
     const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
     const char* deltas = ctx->input(1).tensor_data().data();
     const char* init = ctx->input(2).tensor_data().data();
     std::deque<std::string> markers;
     // ARGV: value kind, dim, marker TTL, then (field, delta, initial row) per key.
     const std::vector<resp::Command> commands = Commands(
-        by_bucket, {ValueKind(value_dtype_), dim_text_, ttl_},
+        keyed.by_bucket, {ValueKind(value_dtype_), dim_text_, ttl_},
         [&](int64_t i, std::vector<std::string_view>* args) {
-          args->push_back(fields[i]);
+          args->push_back(keyed.fields[i]);
           args->emplace_back(deltas + i * row_bytes, row_bytes);
           args->emplace_back(init + i * row_bytes, row_bytes);
         },
@@ -817,15 +809,12 @@ class RedisRemoveOp : public RedisScriptOp {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &removed));
     removed->scalar<int64_t>()() = 0;
     if (keys.dim_size(0) == 0) return;
-    std::vector<uint64_t> hashes;
-    std::vector<std::string> fields;
-    std::vector<std::vector<int64_t>> by_bucket;
-    Route<TK>(keys, &hashes, &fields, &by_bucket);
+    const Routed keyed = Route<TK>(keys);
     std::deque<std::string> markers;
     // ARGV: marker TTL, then the fields.
     const std::vector<resp::Command> commands = Commands(
-        by_bucket, {ttl_}, [&](int64_t i, std::vector<std::string_view>* args) { args->push_back(fields[i]); },
-        &markers);
+        keyed.by_bucket, {ttl_},
+        [&](int64_t i, std::vector<std::string_view>* args) { args->push_back(keyed.fields[i]); }, &markers);
     // Each script counts the distinct present fields of its chunk and keeps
     // the count in its marker; one sent again by a retry removes nothing and
     // answers the kept count, so the total is exact.
