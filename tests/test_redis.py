@@ -534,3 +534,49 @@ def test_read_access_slave_reads_a_replica(mode):
         np.testing.assert_array_equal(read().numpy(), [[0, 0], [2, 2], [3, 3]])
     reader.clear()
     assert primary.exists(bucket) == 0
+
+
+def test_a_training_step_computes_its_writes_from_the_master():
+    """With redis_read_access_slave a training step still reads the rows,
+    slots and policy state it updates from the master: a replica holding
+    other (stale) values changes what the forward pass sees, never what is
+    written.  Before, the step read the replica's values, updated them and
+    wrote them over the master's newer ones, silently."""
+    sentinel, master, replica = redis_servers.sentinel_with_replica()
+    tag = f"tfde-replica-step-{uuid.uuid4().hex[:8]}"
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_connection_mode": 1,
+            "redis_master_name": "replicated",
+            "redis_host_port": sentinel,
+            "model_tag_runtime": tag,
+            "redis_read_access_slave": True,
+        }
+    )
+    var = tfde.Variable("step", dim=2, table_creator=creator, restrict_policy=tfde.FrequencyRestrictPolicy)
+    keys = tf.constant([1, 2], tf.int64)
+    var.upsert(keys, tf.constant([[1.0, 1.0], [2.0, 2.0]]))
+    primary, secondary = redis.Redis(port=master), redis.Redis(port=replica)
+    assert primary.execute_command("WAIT", 1, 5000) == 1
+    # The replica "lags": other rows, and a frequency score the master never had.
+    field = np.array([1], "<i8").tobytes()
+    secondary.hset(var.tables[0]._buckets[0], field, np.array([50.0, 50.0], np.float32).tobytes())
+    scores = var.restrict_policy.scores.tables[0]
+    secondary.hset(scores._buckets[0], field, np.array([100.0], np.float64).tobytes())
+    assert var.lookup(keys).numpy()[0].tolist() == [50.0, 50.0]  # lookups read the replica
+
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tfde.embedding_lookup(var, keys, training=True))  # gradient 1 whatever the rows
+    opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+
+    master_rows = tfde.RedisTableCreator(
+        {"redis_connection_mode": 2, "redis_host_port": master, "model_tag_runtime": tag}
+    )
+    rows = master_rows.create("step/shard_0_of_1", tf.int64, tf.float32, 2).find(keys, tf.zeros([1, 2]))[0]
+    np.testing.assert_array_equal(rows.numpy(), [[0.5, 0.5], [1.5, 1.5]])
+    score = master_rows.create("step-policy-frequency/shard_0_of_1", tf.int64, tf.float64, 1)
+    np.testing.assert_array_equal(score.find(keys, tf.zeros([1, 1], tf.float64))[0].numpy(), [[1.0], [1.0]])
+    for client in (primary, secondary):
+        for key in client.scan_iter(match=f"{tag}:*"):
+            client.delete(key)

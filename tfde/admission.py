@@ -86,7 +86,7 @@ class CounterFilter(AdmissionFilter):
         candidates = tf.boolean_mask(keys, ~stored)
         # A local read: the candidates are this worker's own keys (in
         # distributed training the owner decides), so no exchange is needed.
-        seen = self.counts._find(candidates)[0][:, 0] + 1.0
+        seen = self.counts._find(candidates, for_update=True)[0][:, 0] + 1.0
         admitted_new = seen >= float(self.min_count)
         waiting = tf.boolean_mask(candidates, ~admitted_new)
         ops = [

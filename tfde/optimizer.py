@@ -260,7 +260,7 @@ class DynamicEmbeddingMixin:
         compute = g.dtype
         rows = tf.cast(tf.boolean_mask(all_rows, keep), compute)
         slot_vars = {name: var.slot(name, init) for name, init in rule.slots(self)}
-        slots = {name: tf.cast(s._find(keys)[0], compute) for name, s in slot_vars.items()}
+        slots = {name: tf.cast(s._find(keys, for_update=True)[0], compute) for name, s in slot_vars.items()}
         lr = tf.cast(current_learning_rate(self), compute)
         t = tf.cast(self.iterations + 1, compute)
         wd = hp(self, "weight_decay", None)

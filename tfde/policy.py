@@ -212,7 +212,7 @@ class FrequencyRestrictPolicy(_ScoredPolicy):
         # Read and increment (keys are unique, the read runs in the write
         # section): an absolute value joins the step's all-or-nothing write,
         # where an accum would be a write of its own.
-        return {self.scores: self.scores._find(keys)[0] + 1.0}
+        return {self.scores: self.scores._find(keys, for_update=True)[0] + 1.0}
 
 
 class TimestampRestrictPolicy(_ScoredPolicy):

@@ -269,18 +269,22 @@ class Variable(tf.Module):
         return keys, pos
 
     def _find(self, flat_keys, for_update: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
-        """(rows, exists); for_update: missing rows read the initializer even
-        when an admission filter makes lookups read zeros."""
+        """(rows, exists).  for_update: the rows a write will be computed
+        from (a training step's read-modify-write): read with
+        Table.find_to_update (never a lagging replica), and missing rows read
+        the initializer even when an admission filter makes lookups read
+        zeros."""
         missing = self._missing(flat_keys, for_update)
         tables = self._read_tables()
         if len(tables) == 1:
-            values, exists = tables[0].find(flat_keys, missing)
+            table = tables[0]
+            values, exists = (table.find_to_update if for_update else table.find)(flat_keys, missing)
         else:
             keys, pos = self._split(flat_keys, len(tables))
             found = []
             for i, table in enumerate(tables):
                 shard_missing = missing if isinstance(missing, _init.InitSpec) else tf.gather(missing, pos[i])
-                found.append(table.find(keys[i], shard_missing))
+                found.append((table.find_to_update if for_update else table.find)(keys[i], shard_missing))
             values = tf.dynamic_stitch(pos, [f[0] for f in found])
             exists = tf.dynamic_stitch(pos, [f[1] for f in found])
         values.set_shape([None, self.dim])

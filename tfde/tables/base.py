@@ -125,6 +125,14 @@ class Table:
         A missing key reads its row from `missing`; nothing is inserted."""
         raise NotImplementedError
 
+    def find_to_update(self, keys: tf.Tensor, missing: Missing) -> Tuple[tf.Tensor, tf.Tensor]:
+        """find() for rows a write will be computed from (a training step's
+        read-modify-write of rows, optimizer slots and policy state): a
+        backend that may serve find() from replicas, which lag, reads its
+        primary here, so no update is computed from a stale row.  The
+        default is find()."""
+        return self.find(keys, missing)
+
     def insert(self, keys: tf.Tensor, values: tf.Tensor) -> Optional[tf.Operation]:
         """Upserts `values` ([n, dim]) under `keys`; the last duplicate wins."""
         raise NotImplementedError

@@ -661,17 +661,21 @@ class RedisTable(Table, trackable_base.Trackable):
         from `missing` (an InitSpec or default rows).  With
         redis_read_access_slave the reads go to a replica, which may lag the
         master's writes."""
+        return self._find(keys, missing, replicas=self.config.redis_read_access_slave)
+
+    def find_to_update(self, keys, missing):
+        """find() from the master, whatever redis_read_access_slave says: a
+        training step computes its writes from these rows, and a replica's
+        lagging row would silently undo the master's newer one."""
+        return self._find(keys, missing, replicas=False)
+
+    def _find(self, keys, missing, replicas: bool):
         keys = as_keys(keys, self.key_dtype, self.name)
         defaults, init = native_missing_args(missing, self)
         return self._native_call(
             "find",
             lambda: self._ops.tfde_redis_find(
-                keys,
-                defaults,
-                dim=self.dim,
-                read_from_replicas=self.config.redis_read_access_slave,
-                **self._attrs,
-                **init,
+                keys, defaults, dim=self.dim, read_from_replicas=replicas, **self._attrs, **init
             ),
         )
 
