@@ -537,11 +537,12 @@ def test_read_access_slave_reads_a_replica(mode):
 
 
 def test_a_training_step_computes_its_writes_from_the_master():
-    """With redis_read_access_slave a training step still reads the rows,
-    slots and policy state it updates from the master: a replica holding
-    other (stale) values changes what the forward pass sees, never what is
-    written.  Before, the step read the replica's values, updated them and
-    wrote them over the master's newer ones, silently."""
+    """With redis_read_access_slave a training step still reads from the
+    master: its forward lookups (the gradient) and the rows, slots and
+    policy state it updates.  A replica holding other (stale) values is
+    what plain lookups see, never what a step computes from.  Before, the
+    step read the replica's values, updated them and wrote them over the
+    master's newer ones, silently."""
     sentinel, master, replica = redis_servers.sentinel_with_replica()
     tag = f"tfde-replica-step-{uuid.uuid4().hex[:8]}"
     creator = tfde.RedisTableCreator(
@@ -567,14 +568,14 @@ def test_a_training_step_computes_its_writes_from_the_master():
 
     opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5))
     with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tfde.embedding_lookup(var, keys, training=True))  # gradient 1 whatever the rows
+        loss = tf.reduce_sum(tfde.embedding_lookup(var, keys, training=True) ** 2)  # gradient 2 x the rows
     opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
 
     master_rows = tfde.RedisTableCreator(
         {"redis_connection_mode": 2, "redis_host_port": master, "model_tag_runtime": tag}
     )
     rows = master_rows.create("step/shard_0_of_1", tf.int64, tf.float32, 2).find(keys, tf.zeros([1, 2]))[0]
-    np.testing.assert_array_equal(rows.numpy(), [[0.5, 0.5], [1.5, 1.5]])
+    np.testing.assert_array_equal(rows.numpy(), [[0.0, 0.0], [0.0, 0.0]])  # x - 0.5 * 2x
     score = master_rows.create("step-policy-frequency/shard_0_of_1", tf.int64, tf.float64, 1)
     np.testing.assert_array_equal(score.find(keys, tf.zeros([1, 1], tf.float64))[0].numpy(), [[1.0], [1.0]])
     for client in (primary, secondary):

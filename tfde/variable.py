@@ -268,23 +268,25 @@ class Variable(tf.Module):
         pos = tf.dynamic_partition(tf.range(tf.size(flat_keys)), shard, shards)
         return keys, pos
 
-    def _find(self, flat_keys, for_update: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+    def _find(self, flat_keys, for_update: bool = False, in_step: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
         """(rows, exists).  for_update: the rows a write will be computed
-        from (a training step's read-modify-write): read with
-        Table.find_to_update (never a lagging replica), and missing rows read
+        from (a training step's read-modify-write), where missing rows read
         the initializer even when an admission filter makes lookups read
-        zeros."""
+        zeros.  Both for_update and in_step (a training step's forward
+        lookups, which the gradient is computed from) read with
+        Table.find_to_update: never a lagging replica."""
         missing = self._missing(flat_keys, for_update)
         tables = self._read_tables()
+        primary = for_update or in_step
         if len(tables) == 1:
             table = tables[0]
-            values, exists = (table.find_to_update if for_update else table.find)(flat_keys, missing)
+            values, exists = (table.find_to_update if primary else table.find)(flat_keys, missing)
         else:
             keys, pos = self._split(flat_keys, len(tables))
             found = []
             for i, table in enumerate(tables):
                 shard_missing = missing if isinstance(missing, _init.InitSpec) else tf.gather(missing, pos[i])
-                found.append((table.find_to_update if for_update else table.find)(keys[i], shard_missing))
+                found.append((table.find_to_update if primary else table.find)(keys[i], shard_missing))
             values = tf.dynamic_stitch(pos, [f[0] for f in found])
             exists = tf.dynamic_stitch(pos, [f[1] for f in found])
         values.set_shape([None, self.dim])
@@ -658,7 +660,7 @@ class Variable(tf.Module):
         rows at `positions` (indices into unique_keys) from it, so the
         gradient reaches the buffer.  Under an exchange the buffer holds the
         rows of every worker's keys, in the same order on all workers."""
-        unique_keys, rows, mine = _exchange.active().rows_for(unique_keys, lambda k: self._find(k)[0])
+        unique_keys, rows, mine = _exchange.active().rows_for(unique_keys, lambda k: self._find(k, in_step=True)[0])
         if mine is not None:
             positions = tf.gather(mine, positions)
         offset = self._step_size()

@@ -127,10 +127,10 @@ class Table:
 
     def find_to_update(self, keys: tf.Tensor, missing: Missing) -> Tuple[tf.Tensor, tf.Tensor]:
         """find() for rows a write will be computed from (a training step's
-        read-modify-write of rows, optimizer slots and policy state): a
-        backend that may serve find() from replicas, which lag, reads its
-        primary here, so no update is computed from a stale row.  The
-        default is find()."""
+        forward lookups and its read-modify-write of rows, optimizer slots
+        and policy state): a backend that may serve find() from replicas,
+        which lag, reads its primary here, so no update is computed from a
+        stale row.  The default is find()."""
         return self.find(keys, missing)
 
     def insert(self, keys: tf.Tensor, values: tf.Tensor) -> Optional[tf.Operation]:
