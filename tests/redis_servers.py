@@ -285,6 +285,97 @@ def cluster_with_replica():
     return _cache["cluster_with_replica"]
 
 
+class FailoverGroup:
+    """A master, its replica and a sentinel that fails over quickly
+    (down-after-milliseconds 1000), for tests that kill the master: each
+    group is the test's own.  Attributes: sentinel, master, replica (ports)."""
+
+    def __init__(self):
+        self.master_proc = None
+
+        def start_master(port):
+            self.master_proc = _server("--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
+            _wait(lambda: redis.Redis(port=port).ping(), f"redis-server on {port}", proc=self.master_proc)
+
+        self.master = _on_a_free_port(start_master)
+        self.replica = replica_of(self.master)
+
+        def start_sentinel(port):
+            conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
+            conf.write(
+                f"port {port}\nbind 127.0.0.1\nsentinel monitor group 127.0.0.1 {self.master} 1\n"
+                "sentinel down-after-milliseconds group 1000\nsentinel failover-timeout group 5000\n"
+            )
+            conf.close()
+            proc = _server(conf.name, "--sentinel")
+            _wait(
+                lambda: any(
+                    int(r["port"]) == self.replica and r["flags"] == "slave" and r["master-link-status"] == "ok"
+                    for r in redis.Redis(port=port).sentinel_slaves("group")
+                ),
+                f"sentinel on {port} to see replica {self.replica}",
+                proc=proc,
+            )
+
+        self.sentinel = _on_a_free_port(start_sentinel)
+
+    def kill_master(self) -> None:
+        """kill -9 the master, once the replica holds everything it wrote."""
+        assert redis.Redis(port=self.master).execute_command("WAIT", 1, 5000) == 1
+        self.master_proc.kill()
+        self.master_proc.wait(timeout=10)
+
+    def promoted(self) -> bool:
+        """Whether the sentinel now names the replica as the master."""
+        found = redis.Redis(port=self.sentinel).sentinel_get_master_addr_by_name("group")
+        return found is not None and int(found[1]) == self.replica
+
+
+class FailoverCluster:
+    """3 masters, each with one replica, that fail over quickly
+    (cluster-node-timeout 1000), for tests that kill a master: each is the
+    test's own.  Attributes: ports (all six), procs (port -> process)."""
+
+    def __init__(self):
+        work = tempfile.mkdtemp(prefix="tfde-failover-cluster-")
+        self.procs = {}
+
+        def start(p):
+            proc = _server(
+                "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{p}.conf", "--cluster-node-timeout", "1000",
+                "--save", "", "--appendonly", "no", cwd=work,
+            )  # fmt: skip
+            _wait(lambda: redis.Redis(port=p).ping(), f"cluster node {p}", proc=proc)
+            self.procs[p] = proc
+
+        self.ports = [_on_a_free_port(start, pick=cluster_port) for _ in range(6)]
+        subprocess.run(
+            [shutil.which("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
+             "--cluster-replicas", "1", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        _wait(lambda: all(_cluster_ok(p) for p in self.ports), "cluster_state:ok")
+        _wait(lambda: len(self._replicas()) == 3, "every master's replica")
+
+    def _replicas(self):
+        return [r for r in redis.Redis(port=self.ports[0]).execute_command("CLUSTER SLOTS") if len(r) > 3]
+
+    def master_of(self, key: str) -> int:
+        """Port of the master serving `key`'s slot."""
+        slot = redis.Redis(port=self.ports[0]).execute_command("CLUSTER KEYSLOT", key)
+        for entry in redis.Redis(port=self.ports[0]).execute_command("CLUSTER SLOTS"):
+            if entry[0] <= slot <= entry[1]:
+                return int(entry[2][1])
+        raise RuntimeError(f"no master serves slot {slot}")
+
+    def kill(self, port: int) -> None:
+        """kill -9 the master on `port`, once its replica holds everything it wrote."""
+        assert redis.Redis(port=port).execute_command("WAIT", 1, 5000) == 1
+        self.procs[port].kill()
+        self.procs[port].wait(timeout=10)
+
+
 def forget(name: str) -> None:
     """A test stopped a server of deployment `name` (its helper's name): the
     next call of the helper starts a new one."""

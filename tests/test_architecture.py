@@ -112,4 +112,4 @@ def test_the_native_redis_client_waits_as_the_defaults_say():
 
     assert constant("kBackoffBaseMs") == round(_defaults.REDIS_BACKOFF_BASE_S * 1000)
     assert constant("kBackoffMaxMs") == round(_defaults.REDIS_BACKOFF_MAX_S * 1000)
-    assert constant("int retries") == _defaults.REDIS_RETRIES
+    assert constant("int retry_deadline_ms") == _defaults.REDIS_RETRY_DEADLINE_MS

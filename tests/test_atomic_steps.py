@@ -298,7 +298,12 @@ def test_server_killed_mid_step_leaves_every_key_whole_and_the_step_retries_once
     try:
         var = _variable(
             tfde.RedisTableCreator(
-                {"redis_host_port": proxy.port, "model_tag_runtime": tag, "redis_connect_timeout": 200}
+                {
+                    "redis_host_port": proxy.port,
+                    "model_tag_runtime": tag,
+                    "redis_connect_timeout": 200,
+                    "redis_retry_deadline_ms": 750,
+                }
             )
         )
         opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))

@@ -948,7 +948,7 @@ def redis_attrs(prefix, dim, over):
         servers=[f"127.0.0.1:{REDIS_PORT}"],
         connect_timeout_ms=1000,
         socket_timeout_ms=1000,
-        retries=1,
+        retry_deadline_ms=50,
     )
     attrs.update(over)
     return attrs

@@ -109,7 +109,9 @@ def test_wrong_password_is_a_clear_error(protected_server):
 
 def test_unreachable_server_is_retried_then_named():
     port = redis_servers.free_port()  # nothing listens there
-    creator = tfde.RedisTableCreator({"redis_host_port": port, "redis_connect_timeout": 100})
+    creator = tfde.RedisTableCreator(
+        {"redis_host_port": port, "redis_connect_timeout": 100, "redis_retry_deadline_ms": 750}
+    )
     start = time.perf_counter()
     with pytest.raises(tfde.BackendUnavailableError, match=f"127.0.0.1:{port} unreachable during open"):
         creator.create("t", tf.int64, tf.float32, 2)
@@ -279,7 +281,12 @@ def test_server_gone_for_good_names_server_and_operation():
         "gone",
         dim=2,
         table_creator=tfde.RedisTableCreator(
-            {"redis_host_port": server.port, "model_tag_runtime": "gone", "redis_connect_timeout": 100}
+            {
+                "redis_host_port": server.port,
+                "model_tag_runtime": "gone",
+                "redis_connect_timeout": 100,
+                "redis_retry_deadline_ms": 750,
+            }
         ),
     )
     var.upsert(tf.constant([1], tf.int64), tf.ones([1, 2]))
@@ -581,3 +588,67 @@ def test_a_training_step_computes_its_writes_from_the_master():
     for client in (primary, secondary):
         for key in client.scan_iter(match=f"{tag}:*"):
             client.delete(key)
+
+
+# ------------------------------------------------------------ failover
+
+
+def test_training_rides_out_a_sentinel_failover():
+    """kill -9 of the master mid-training: the steps after it wait (retries
+    within redis_retry_deadline_ms, finding the master through the sentinel
+    on every attempt) until the sentinel promotes the replica, then train
+    on; the end state equals an uninterrupted run's, since the replica had
+    every write (the kill waits for replication).  Before, the step failed
+    0.75 s after the kill, long before any failover could finish."""
+    group = redis_servers.FailoverGroup()
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_connection_mode": 1,
+            "redis_master_name": "group",
+            "redis_host_port": group.sentinel,
+            "model_tag_runtime": "failover",
+            "redis_retry_deadline_ms": 30_000,
+        }
+    )
+    var = tfde.Variable("fault", dim=4, seed=2, table_creator=creator)
+    killed_at = []
+
+    def kill_at_step_4(step):
+        if step == 4:
+            group.kill_master()
+            killed_at.append(time.monotonic())
+
+    _sgd_steps(var, 12, kill_at_step_4)
+    assert killed_at and group.promoted()
+    np.testing.assert_allclose(
+        var.lookup(tf.range(40, dtype=tf.int64)).numpy(), _reference_rows(12), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_training_rides_out_a_cluster_failover():
+    """kill -9 of the master holding a table's bucket mid-training: the
+    cluster promotes its replica (cluster-node-timeout 1000 ms), the client
+    reads the slot map again on every retry, and training ends as an
+    uninterrupted run does."""
+    cluster = redis_servers.FailoverCluster()
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_connection_mode": 0,
+            "redis_host_ip": ["127.0.0.1"] * len(cluster.ports),
+            "redis_host_port": cluster.ports,
+            "model_tag_runtime": "cluster-failover",
+            "redis_retry_deadline_ms": 30_000,
+        }
+    )
+    var = tfde.Variable("fault", dim=4, seed=2, table_creator=creator)
+    victim = cluster.master_of(var.tables[0]._buckets[0])
+
+    def kill_at_step_4(step):
+        if step == 4:
+            cluster.kill(victim)
+
+    _sgd_steps(var, 12, kill_at_step_4)
+    assert cluster.master_of(var.tables[0]._buckets[0]) != victim  # a replica took over
+    np.testing.assert_allclose(
+        var.lookup(tf.range(40, dtype=tf.int64)).numpy(), _reference_rows(12), rtol=1e-6, atol=1e-6
+    )

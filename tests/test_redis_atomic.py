@@ -233,7 +233,7 @@ def test_connection_cut_mid_write_is_retried_whole(server, proxy):
 def test_connection_cut_on_every_attempt_writes_nothing(proxy):
     """Every attempt is cut halfway: the write fails (after the client's
     retries) and leaves no key in any table, rather than rows without slots."""
-    tables = _tables(proxy.port, "cut-always")
+    tables = _tables(proxy.port, "cut-always", redis_retry_deadline_ms=750)
     keys, rows = _batch(tables)
     proxy.cut_requests(after=N * 80, times=1000)
     with pytest.raises(tfde.BackendUnavailableError, match="unreachable"):

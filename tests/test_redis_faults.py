@@ -21,7 +21,8 @@ from fault_proxy import FaultProxy
 import tfde
 from tfde.hashing import stable_hash_py
 
-FAST = {"redis_connect_timeout": 200, "redis_socket_timeout": 200}
+# Short timeouts, and retries that give up after 750 ms of backoff (5 attempts).
+FAST = {"redis_connect_timeout": 200, "redis_socket_timeout": 200, "redis_retry_deadline_ms": 750}
 TABLE = "v/shard_0_of_1"
 
 
@@ -370,12 +371,16 @@ def test_transient_replies_are_retried_then_unavailable(tag):
         with pytest.raises(
             tf.errors.UnavailableError,
             match=rf"tfde\.BackendUnavailableError: Redis at 127\.0\.0\.1:{proxy.port} unreachable "
-            rf"during find of table '{TABLE}' after 5 attempts: .*LOADING",
+            rf"during find of table '{TABLE}' after 5 attempts in 750 ms of retries "
+            r"\(redis_retry_deadline_ms 750\): .*LOADING",
         ):
             lookup(keys)
         for at in (0, 4, 5, 6, 7):
             proxy.inject(loading, at=at)
-        with pytest.raises(tfde.BackendUnavailableError, match="after 5 attempts: .*LOADING"):
+        with pytest.raises(
+            tfde.BackendUnavailableError,
+            match=r"after 5 attempts in 750 ms of retries \(redis_retry_deadline_ms 750\): .*LOADING",
+        ):
             var.lookup(keys)
         np.testing.assert_array_equal(var.lookup(keys).numpy(), _rows(keys))
 
@@ -386,7 +391,12 @@ def test_model_fit_with_the_server_killed_raises_unavailable(ephemeral):
     UnavailableError (not InternalError) naming tfde.BackendUnavailableError,
     the server and the operation; so do size and export in graphs."""
     creator = tfde.RedisTableCreator(
-        {"redis_host_port": ephemeral.port, "model_tag_runtime": "fit", "redis_connect_timeout": 100}
+        {
+            "redis_host_port": ephemeral.port,
+            "model_tag_runtime": "fit",
+            "redis_connect_timeout": 100,
+            "redis_retry_deadline_ms": 750,
+        }
     )
     layer = tfde.keras.layers.Embedding(4, seed=3, table_creator=creator, name="r")
     model = tf.keras.Sequential([layer, tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])

@@ -339,11 +339,11 @@ def test_redis_serving_view_names_an_unreachable_server():
     try:
         table = backend.create("serving_down", tf.int64, tf.float32, 2)
         view = RedisServingTable(table)
-        view._attrs.update(servers=["127.0.0.1:1"], retries=1, connect_timeout_ms=200)
+        view._attrs.update(servers=["127.0.0.1:1"], retry_deadline_ms=50, connect_timeout_ms=200)
         with pytest.raises(
             tf.errors.UnavailableError,
             match=r"tfde\.BackendUnavailableError: Redis at 127\.0\.0\.1:1 unreachable during find of "
-            r"table 'serving_down' after 2 attempts: cannot connect",
+            r"table 'serving_down' after 2 attempts in 50 ms of retries \(redis_retry_deadline_ms 50\): cannot connect",
         ):
             view.find(tf.constant([1], tf.int64), INIT)
     finally:

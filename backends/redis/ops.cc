@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -128,7 +129,7 @@ class RedisOpBase : public OpKernel {
     resp::Config config;
     std::vector<std::string> servers;
     std::string password_env, sentinel_password_env, credentials;
-    int64_t mode, db, connect_ms, socket_ms, retries;
+    int64_t mode, db, connect_ms, socket_ms, deadline_ms;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("servers", &servers));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("mode", &mode));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("master_name", &config.master_name));
@@ -140,7 +141,10 @@ class RedisOpBase : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("credentials", &credentials));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("connect_timeout_ms", &connect_ms));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("socket_timeout_ms", &socket_ms));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("retries", &retries));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("retry_deadline_ms", &deadline_ms));
+    OP_REQUIRES(ctx, deadline_ms >= 0 && deadline_ms <= std::numeric_limits<int>::max(),
+                errors::InvalidArgument("retry_deadline_ms must be 0 to ", std::numeric_limits<int>::max(),
+                                        " milliseconds, got ", deadline_ms));
     OP_REQUIRES(ctx, mode >= 0 && mode <= 2,
                 errors::InvalidArgument("mode must be 0 (cluster), 1 (sentinel) or 2 (standalone), got ", mode));
     OP_REQUIRES(ctx, !servers.empty(), errors::InvalidArgument("servers must name at least one host:port"));
@@ -169,7 +173,7 @@ class RedisOpBase : public OpKernel {
     config.db = static_cast<int>(db);
     config.connect_timeout_ms = static_cast<int>(connect_ms);
     config.socket_timeout_ms = static_cast<int>(socket_ms);
-    config.retries = static_cast<int>(retries);
+    config.retry_deadline_ms = static_cast<int>(deadline_ms);
     OP_REQUIRES_OK(ctx, ReadErrorAttrs(ctx, &config));
     if (ctx->HasAttr("read_from_replicas"))  // TfdeRedisFind's: the only op that may read a replica
       OP_REQUIRES_OK(ctx, ctx->GetAttr("read_from_replicas", &config.read_from_replicas));
@@ -221,7 +225,9 @@ class RedisOpBase : public OpKernel {
     switch (redis_error->kind()) {
       case resp::ErrorKind::kTransient:
         ctx->CtxFailure(errors::Unavailable("tfde.BackendUnavailableError: ", at, " unreachable during ", during,
-                                            " after ", client_->attempts(), " attempts: ", e.what()));
+                                            " after ", redis_error->attempts(), " attempts in ",
+                                            redis_error->waited_ms(), " ms of retries (redis_retry_deadline_ms ",
+                                            client_->retry_deadline_ms(), "): ", e.what()));
         break;
       case resp::ErrorKind::kCapacity:
         ctx->CtxFailure(errors::ResourceExhausted("tfde.CapacityError: ", at, " is out of memory during ", during, ": ",
@@ -385,7 +391,7 @@ class RedisInsertOp : public RedisOpBase {
       .Attr("sentinel_password_env: string = ''")      \
       .Attr("connect_timeout_ms: int = 1000")          \
       .Attr("socket_timeout_ms: int = 1000")           \
-      .Attr("retries: int = 4")                        \
+      .Attr("retry_deadline_ms: int = 60000")          \
       .Attr("error_kinds: list(string) = []")          \
       .Attr("meta_key: string = ''")                   \
       .Attr("meta: string = ''")                       \
@@ -588,10 +594,10 @@ class RedisInsertGroupOp : public RedisOpBase {
     } catch (const resp::Error& e) {
       // A transaction refused by the server (EXECABORT) or never sent
       // (unreachable) was applied to none of its keys.
+      const std::string why = std::string(e.what()) + " (a key's writes to all " + std::to_string(tables) +
+                              " tables are applied together or not at all)";
       Fail(ctx, what.c_str(),
-           resp::Error(std::string(e.what()) + " (a key's writes to all " + std::to_string(tables) +
-                           " tables are applied together or not at all)",
-                       e.kind()));
+           e.transient() ? resp::Error(why, e.attempts(), e.waited_ms()) : resp::Error(why, e.kind()));
       return;
     } catch (const std::exception& e) {
       Fail(ctx, what.c_str(), e);

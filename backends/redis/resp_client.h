@@ -86,11 +86,21 @@ class Error : public std::runtime_error {
   // transient: kTransient, else kRefused.
   Error(const std::string& what, bool transient)
       : Error(what, transient ? ErrorKind::kTransient : ErrorKind::kRefused) {}
+  // A transient error that ended the retries: how many attempts were made
+  // and how long the backoff between them waited in all.
+  Error(const std::string& what, int attempts, int waited_ms) : Error(what, ErrorKind::kTransient) {
+    attempts_ = attempts;
+    waited_ms_ = waited_ms;
+  }
   ErrorKind kind() const { return kind_; }
   bool transient() const { return kind_ == ErrorKind::kTransient; }
+  int attempts() const { return attempts_; }
+  int waited_ms() const { return waited_ms_; }
 
  private:
   ErrorKind kind_;
+  int attempts_ = 1;
+  int waited_ms_ = 0;
 };
 
 // The code of an error reply: its first word ("WRONGTYPE", "LOADING", ...).
@@ -340,7 +350,9 @@ struct Config {
   std::string sentinel_user, sentinel_password;
   int connect_timeout_ms = 1000;
   int socket_timeout_ms = 1000;
-  int retries = 4;
+  // How long a failing call is retried: the backoff waited in all, in
+  // milliseconds (redis_retry_deadline_ms; 0: one attempt).
+  int retry_deadline_ms = 60000;
   // Kinds of error replies by code (tfde/errors.py REDIS_ERROR_KINDS); a
   // code not listed is kRefused.  MOVED / ASK are followed, never errors.
   std::map<std::string, ErrorKind, std::less<>> error_kinds;
@@ -382,15 +394,16 @@ class Client {
   // delivered.  On a retry every command runs again (so deliver may see a
   // command twice; the last call counts).  Throws an Error naming the
   // server: a permanent one (kRefused, kCapacity, kCredentials, kTableLost)
-  // at once, a transient one once config.retries retries failed.  An
+  // at once, a transient one once the next wait would take the backoff
+  // waited in all past config.retry_deadline_ms (BackoffMs per failure).  An
   // exception thrown by deliver propagates (after the node's other replies
   // are read, so the connection stays in step) and is not retried unless it
   // is a transient Error.
   void Pipeline(const std::vector<Command>& commands, const std::function<void(size_t, const Reply&)>& deliver) {
     std::lock_guard<std::mutex> lock(mu_);
     std::string last;
-    for (int attempt = 0; attempt <= config_.retries; ++attempt) {
-      if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(BackoffMs(attempt)));
+    int waited = 0;
+    for (int attempt = 1;; ++attempt) {
       try {
         if (TryPipeline(commands, deliver)) return;
         last = "the cluster moved a slot";
@@ -406,12 +419,14 @@ class Client {
         if (!replica_nodes_.empty())
           replicas_paused_until_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(kReplicaPauseMs);
       }
+      const int wait = BackoffMs(attempt);
+      if (waited + wait > config_.retry_deadline_ms) throw Error(last, attempt, waited);
+      std::this_thread::sleep_for(std::chrono::milliseconds(wait));
+      waited += wait;
     }
-    throw Error(last, ErrorKind::kTransient);
   }
 
-  // How many times Pipeline tries before a transient error is final.
-  int attempts() const { return config_.retries + 1; }
+  int retry_deadline_ms() const { return config_.retry_deadline_ms; }
 
   // "host:port, host:port" of the configured servers (sentinels in mode 1),
   // as tfde's Python side names them (RedisTableConfig.describe_servers).

@@ -14,6 +14,7 @@ import os
 import warnings
 from typing import Tuple, Union
 
+from tfde._defaults import REDIS_RETRY_DEADLINE_MS
 from tfde.errors import ConfigError
 
 ENV_VAR = "TFDE_REDIS_CONFIG"  # names a config file when no path or dict is given
@@ -69,6 +70,14 @@ class RedisTableConfig:
       persistence, or was flushed).  false: raise BackendError naming the
       server and the table, since its rows are lost; true: write the meta key
       again (with a warning) and carry on, every key reading its initial row.
+    redis_retry_deadline_ms (tfde's own, default 60000): how long a call that
+      keeps failing transiently (a lost connection, a timeout, a "not now"
+      reply such as LOADING or MASTERDOWN) is retried, in milliseconds of
+      backoff waited in all (50 ms doubling, at most 1 s between attempts;
+      each attempt's own connect and socket timeouts come on top).  Every
+      retry finds the master (sentinels) or the slot map (cluster) again, so
+      the default rides out a failover under Sentinel's and Cluster's default
+      timeouts.  0: one attempt, no retries.
     """
 
     redis_connection_mode: int = 2
@@ -103,6 +112,7 @@ class RedisTableConfig:
     table_store_mode: int = 2
     model_lib_abs_dir: str = "/tmp/"
     recreate_if_missing: bool = False
+    redis_retry_deadline_ms: int = REDIS_RETRY_DEADLINE_MS
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -143,6 +153,11 @@ class RedisTableConfig:
                 )
             if value > MAX_TIMEOUT_MS:
                 raise ConfigError(f"{name} {value} is too large; expected at most {MAX_TIMEOUT_MS} milliseconds")
+        if not 0 <= self.redis_retry_deadline_ms <= MAX_TIMEOUT_MS:
+            raise ConfigError(
+                f"redis_retry_deadline_ms must be 0 (no retries) to {MAX_TIMEOUT_MS} milliseconds of waiting "
+                f"between retries, got {self.redis_retry_deadline_ms}"
+            )
         if self.storage_slice > 4096:
             raise ConfigError(f"storage_slice {self.storage_slice} is too large; expected at most 4096 buckets")
         for tags_name, slices in (

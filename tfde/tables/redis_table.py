@@ -52,7 +52,7 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base
 
 from tfde import _native
-from tfde._defaults import REDIS_BACKOFF_BASE_S, REDIS_BACKOFF_MAX_S, REDIS_RETRIES
+from tfde._defaults import REDIS_BACKOFF_BASE_S, REDIS_BACKOFF_MAX_S
 from tfde.errors import (
     REDIS_ERROR_KINDS,
     BackendError,
@@ -70,7 +70,6 @@ from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes
 from tfde.tables.redis_config import RedisTableConfig
 
 FORMAT_VERSION = 1
-RETRIES = REDIS_RETRIES  # attempts after the first failure of a Redis call
 BACKOFF_BASE_S = REDIS_BACKOFF_BASE_S  # first retry delay in seconds; doubles each retry
 BACKOFF_MAX_S = REDIS_BACKOFF_MAX_S  # longest delay between retries, seconds
 # Hints of the errors below; backends/redis/ops.cc Fail says the same.
@@ -82,6 +81,20 @@ def backoff_s(failures: int) -> float:
     """Seconds to wait before the next attempt after `failures` (1, 2, ...)
     failures in a row: BACKOFF_BASE_S doubling, at most BACKOFF_MAX_S."""
     return min(BACKOFF_BASE_S * 2.0 ** (failures - 1), BACKOFF_MAX_S)
+
+
+def retry_waits_ms(deadline_ms: int) -> list:
+    """The waits (milliseconds) between the attempts of a call that keeps
+    failing transiently: backoff_s per failure, for as long as the waits add
+    up to at most `deadline_ms` (redis_retry_deadline_ms).  Both clients
+    follow it (backends/redis/resp_client.h Client::Pipeline)."""
+    waits, total = [], 0
+    while True:
+        wait = round(backoff_s(len(waits) + 1) * 1000)
+        if total + wait > deadline_ms:
+            return waits
+        waits.append(wait)
+        total += wait
 
 
 # Adds deltas to rows atomically on the server.  KEYS[1]: the bucket hash;
@@ -258,7 +271,7 @@ def native_attrs(
         sentinel_password_env=SENTINEL_PASSWORD_ENV if env else "",
         connect_timeout_ms=cfg.redis_connect_timeout,
         socket_timeout_ms=cfg.redis_socket_timeout,
-        retries=RETRIES,
+        retry_deadline_ms=cfg.redis_retry_deadline_ms,
         error_kinds=[f"{code}={kind}" for code, kind in sorted(REDIS_ERROR_KINDS.items())],
         meta_key=meta_key,
         meta=meta if recreate else b"",
@@ -511,7 +524,9 @@ class RedisTable(Table, trackable_base.Trackable):
 
         at = f"Redis at {self.config.describe_servers()}"
         during = f"{what} of table {self.name!r}"
-        for attempt in range(RETRIES + 1):
+        deadline = self.config.redis_retry_deadline_ms
+        waits = retry_waits_ms(deadline)
+        for attempt in range(len(waits) + 1):
             try:
                 return fn()
             except redis.RedisError as e:
@@ -525,11 +540,12 @@ class RedisTable(Table, trackable_base.Trackable):
                     ) from None
                 if kind != "transient":
                     raise BackendError(f"{at} refused {during}: {e}") from None
-                if attempt == RETRIES:
+                if attempt == len(waits):
                     raise BackendUnavailableError(
-                        f"{at} unreachable during {during} after {RETRIES + 1} attempts: {e}"
+                        f"{at} unreachable during {during} after {attempt + 1} attempts in {sum(waits)} ms of "
+                        f"retries (redis_retry_deadline_ms {deadline}): {e}"
                     ) from None
-                time.sleep(backoff_s(attempt + 1))
+                time.sleep(waits[attempt] / 1000)
 
     def _packed_meta(self) -> bytes:
         return msgpack.packb(self._meta(len(self._buckets)))
