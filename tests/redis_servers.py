@@ -172,26 +172,38 @@ def _cluster_ok(port) -> bool:
     return b"cluster_state:ok" in info
 
 
+def _sentinel(name: str, master: int, ready, settings: str = "") -> int:
+    """Port of a new sentinel watching the server on `master` as `name`
+    (quorum 1, plus `settings` lines for it), once ready(sentinel client)."""
+
+    def start(port):
+        conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
+        conf.write(f"port {port}\nbind 127.0.0.1\nsentinel monitor {name} 127.0.0.1 {master} 1\n{settings}")
+        conf.close()
+        proc = _server(conf.name, "--sentinel")
+        _wait(lambda: ready(redis.Redis(port=port)), f"sentinel on {port} watching {name}", proc=proc)
+
+    return _on_a_free_port(start)
+
+
+def _replica_up(name: str, replica: int):
+    """A ready() for _sentinel: the sentinel reports `replica` up and in sync."""
+    return lambda client: any(
+        int(r["port"]) == replica and r["flags"] == "slave" and r["master-link-status"] == "ok"
+        for r in client.sentinel_slaves(name)
+    )
+
+
 def sentinel():
     """(sentinel port, master port) with the master monitored as 'master'."""
     if "sentinel" not in _cache:
         master = standalone()
-
-        def start(port):
-            conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
-            conf.write(
-                f"port {port}\nbind 127.0.0.1\nsentinel monitor master 127.0.0.1 {master} 1\n"
-                "sentinel down-after-milliseconds master 2000\n"
-            )
-            conf.close()
-            proc = _server(conf.name, "--sentinel")
-            _wait(
-                lambda: redis.Redis(port=port).execute_command("SENTINEL get-master-addr-by-name master"),
-                f"sentinel on {port}",
-                proc=proc,
-            )
-
-        port = _on_a_free_port(start)
+        port = _sentinel(
+            "master",
+            master,
+            lambda client: client.execute_command("SENTINEL get-master-addr-by-name master"),
+            "sentinel down-after-milliseconds master 2000\n",
+        )
         _cache["sentinel"] = (port, master)
     return _cache["sentinel"]
 
@@ -235,23 +247,8 @@ def sentinel_with_replica():
     if "sentinel_with_replica" not in _cache:
         master = standalone()
         replica = replica_of(master)
-
-        def start(port):
-            conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
-            conf.write(f"port {port}\nbind 127.0.0.1\nsentinel monitor replicated 127.0.0.1 {master} 1\n")
-            conf.close()
-            proc = _server(conf.name, "--sentinel")
-
-            def replica_up():
-                found = redis.Redis(port=port).sentinel_slaves("replicated")
-                return any(
-                    int(r["port"]) == replica and r["flags"] == "slave" and r["master-link-status"] == "ok"
-                    for r in found
-                )
-
-            _wait(replica_up, f"sentinel on {port} to see replica {replica}", proc=proc)
-
-        _cache["sentinel_with_replica"] = (_on_a_free_port(start), master, replica)
+        port = _sentinel("replicated", master, _replica_up("replicated", replica))
+        _cache["sentinel_with_replica"] = (port, master, replica)
     return _cache["sentinel_with_replica"]
 
 
@@ -300,24 +297,12 @@ class FailoverGroup:
         self.master = _on_a_free_port(start_master)
         self.replica = replica_of(self.master)
 
-        def start_sentinel(port):
-            conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)
-            conf.write(
-                f"port {port}\nbind 127.0.0.1\nsentinel monitor group 127.0.0.1 {self.master} 1\n"
-                "sentinel down-after-milliseconds group 1000\nsentinel failover-timeout group 5000\n"
-            )
-            conf.close()
-            proc = _server(conf.name, "--sentinel")
-            _wait(
-                lambda: any(
-                    int(r["port"]) == self.replica and r["flags"] == "slave" and r["master-link-status"] == "ok"
-                    for r in redis.Redis(port=port).sentinel_slaves("group")
-                ),
-                f"sentinel on {port} to see replica {self.replica}",
-                proc=proc,
-            )
-
-        self.sentinel = _on_a_free_port(start_sentinel)
+        self.sentinel = _sentinel(
+            "group",
+            self.master,
+            _replica_up("group", self.replica),
+            "sentinel down-after-milliseconds group 1000\nsentinel failover-timeout group 5000\n",
+        )
 
     def kill_master(self) -> None:
         """kill -9 the master, once the replica holds everything it wrote."""
