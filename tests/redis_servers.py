@@ -361,6 +361,63 @@ class FailoverCluster:
         self.procs[port].wait(timeout=10)
 
 
+class MigratingCluster:
+    """3 masters (redis-cli's least), no replicas, the test's own: for tests
+    that move a slot from one master to another by hand, as `redis-cli --cluster reshard`
+    does, holding the migration open as long as they like.  Attributes:
+    ports."""
+
+    def __init__(self):
+        work = tempfile.mkdtemp(prefix="tfde-migrating-cluster-")
+        self.ports = [_cluster_node(work) for _ in range(3)]
+        subprocess.run(
+            [shutil.which("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        _wait(lambda: all(_cluster_ok(p) for p in self.ports), "cluster_state:ok")
+
+    def _node(self, port: int):
+        return redis.Redis(port=port)
+
+    def _id(self, port: int) -> str:
+        return self._node(port).execute_command("CLUSTER MYID").decode()
+
+    def master_of(self, key: str) -> int:
+        slot = self._node(self.ports[0]).execute_command("CLUSTER KEYSLOT", key)
+        for entry in self._node(self.ports[0]).execute_command("CLUSTER SLOTS"):
+            if entry[0] <= slot <= entry[1]:
+                return int(entry[2][1])
+        raise RuntimeError(f"no master serves slot {slot}")
+
+    def begin(self, key: str) -> tuple:
+        """Opens the migration of `key`'s slot to another master (IMPORTING
+        on it, MIGRATING here); returns (slot, source port, target port)."""
+        slot = self._node(self.ports[0]).execute_command("CLUSTER KEYSLOT", key)
+        source = self.master_of(key)
+        target = next(p for p in self.ports if p != source)
+        self._node(target).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", self._id(source))
+        self._node(source).execute_command("CLUSTER SETSLOT", slot, "MIGRATING", self._id(target))
+        return slot, source, target
+
+    def keys_in(self, port: int, slot: int) -> list:
+        return sorted(self._node(port).execute_command("CLUSTER GETKEYSINSLOT", slot, 100000))
+
+    def move(self, slot: int, source: int, target: int, keys) -> None:
+        """MIGRATE `keys` (of `slot`) from source to target in one call."""
+        self._node(source).execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+
+    def finish(self, slot: int, target: int) -> None:
+        """Hands the slot to `target` on every master, ending the migration."""
+        for port in [target] + [p for p in self.ports if p != target]:
+            self._node(port).execute_command("CLUSTER SETSLOT", slot, "NODE", self._id(target))
+
+    def asking_calls(self, port: int) -> int:
+        """How many ASKING commands the server on `port` has served."""
+        stats = self._node(port).info("commandstats")
+        return int(stats.get("cmdstat_asking", {}).get("calls", 0))
+
+
 def forget(name: str) -> None:
     """A test stopped a server of deployment `name` (its helper's name): the
     next call of the helper starts a new one."""

@@ -24,7 +24,7 @@ def tag():
     t = f"tfde-test-{uuid.uuid4().hex[:12]}"
     yield t
     client = redis.Redis()
-    keys = list(client.scan_iter(match=f"{t}:*"))
+    keys = [k for pattern in (f"{t}:*", f"tfde-writes:{t}:*") for k in client.scan_iter(match=pattern)]
     if keys:
         client.delete(*keys)
 
@@ -652,3 +652,214 @@ def test_training_rides_out_a_cluster_failover():
     np.testing.assert_allclose(
         var.lookup(tf.range(40, dtype=tf.int64)).numpy(), _reference_rows(12), rtol=1e-6, atol=1e-6
     )
+
+
+def test_a_dead_master_with_no_replica_is_named_by_every_error():
+    """A sentinel's master dies and has no replica to promote: size, lookups
+    and opening a table fail naming the address the sentinels last gave
+    (before, opening said only "No master found for 'lone'")."""
+    server = redis_servers.Restartable(persist=False)
+    sentinel = redis_servers._sentinel(
+        "lone",
+        server.port,
+        lambda client: client.execute_command("SENTINEL get-master-addr-by-name lone"),
+        "sentinel down-after-milliseconds lone 1000\n",
+    )
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_connection_mode": 1,
+            "redis_master_name": "lone",
+            "redis_host_port": sentinel,
+            "model_tag_runtime": "lone",
+            "redis_retry_deadline_ms": 750,
+        }
+    )
+    var = tfde.Variable("v", dim=2, table_creator=creator)
+    var.upsert(tf.constant([1], tf.int64), tf.ones([1, 2]))
+    server.kill()
+    deadline = time.monotonic() + 20
+    while "o_down" not in redis.Redis(port=sentinel).sentinel_master("lone")["flags"]:
+        assert time.monotonic() < deadline, "the sentinel never saw its master down"
+        time.sleep(0.1)
+    address = f"127.0.0.1:{server.port}"
+    for what, call in [
+        ("size", var.size),
+        ("find", lambda: var.lookup(tf.constant([1], tf.int64))),
+        ("open", lambda: tfde.Variable("w", dim=2, table_creator=creator)),
+    ]:
+        with pytest.raises(tfde.BackendUnavailableError, match=f"during {what} of table") as raised:
+            call()
+        assert address in str(raised.value) and "'lone'" in str(raised.value), str(raised.value)
+
+
+# ------------------------------------------------------------ durability
+
+
+def test_write_replicas_makes_every_write_wait_for_the_replicas():
+    """With redis_write_replicas 1 each write ends with WAIT 1: after every
+    training step the replica already holds what the master holds (no wait
+    in the test), and while the replica is stopped (SIGSTOP) a write fails
+    with BackendUnavailableError saying that 0 of 1 replicas acknowledged
+    it; once the replica runs again, the same write goes through.  Before,
+    the field did not exist and the write "succeeded" with no replica
+    holding it."""
+    import os
+    import signal
+
+    master = redis_servers.standalone()
+    replica = redis_servers.replica_of(master)
+    primary, secondary = redis.Redis(port=master), redis.Redis(port=replica)
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_host_port": master,
+            "model_tag_runtime": "durable",
+            "redis_write_replicas": 1,
+            "redis_write_replicas_timeout_ms": 200,
+            "redis_retry_deadline_ms": 750,
+        }
+    )
+    var = tfde.Variable("durable", dim=4, seed=2, table_creator=creator)
+    buckets = [t._buckets[0] for t in [var.tables[0]] + [var.slots[n].tables[0] for n in sorted(var.slots)]]
+
+    def replicated(step):
+        if step > 0:  # the previous step's rows, m and v are on the replica already
+            for bucket in buckets:
+                assert secondary.hgetall(bucket) == primary.hgetall(bucket), (step, bucket)
+
+    _adam_steps(var, 6, replicated)
+    replicated(6)
+    assert int(primary.info("commandstats")["cmdstat_wait"]["calls"]) >= 6
+
+    keys, rows = tf.constant([1000, 1001], tf.int64), tf.fill([2, 4], 3.0)
+    pid = int(secondary.info("server")["process_id"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(tfde.BackendUnavailableError, match=r"only 0 of the 1 replicas .* within 200 ms"):
+            var.upsert(keys, rows)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    var.upsert(keys, rows)  # the same write again: the replica answers now
+    field = np.array([1000], "<i8").tobytes()
+    assert secondary.hget(var.tables[0]._buckets[0], field) == np.full(4, 3.0, np.float32).tobytes()
+
+
+def test_lost_acknowledged_writes_are_noticed_on_the_next_write(tmp_path):
+    """The server goes back to an older state under a running job (as when
+    a failover promotes a replica that lagged, or a restart loads an older
+    snapshot: here DEBUG RELOAD of a snapshot taken 3 steps earlier).  The
+    next training step fails with BackendError saying acknowledged writes
+    were lost and by how many, instead of training on from stale rows (what
+    happened before: nothing noticed).  Each bucket's write count is the
+    key tfde.tables.redis_table.write_count_key names."""
+    from tfde.tables.redis_table import write_count_key
+
+    port = redis_servers.standalone(("--enable-debug-command", "yes", "--dir", str(tmp_path)))
+    server = redis.Redis(port=port)
+    var = tfde.Variable(
+        "lost",
+        dim=4,
+        seed=2,
+        table_creator=tfde.RedisTableCreator({"redis_host_port": port, "model_tag_runtime": "lost"}),
+    )
+
+    def rewind(step):
+        if step == 4:
+            server.save()
+        if step == 7:
+            assert int(server.get(write_count_key(var.tables[0]._buckets[0]))) == 7  # one per step
+            server.execute_command("DEBUG", "RELOAD", "NOSAVE")  # back to the state after step 4
+
+    with pytest.raises(tfde.BackendError, match=r"lost acknowledged writes .* at least 3 writes are gone"):
+        _adam_steps(var, 8, rewind)
+
+
+def test_write_replicas_is_validated():
+    for bad, match in [
+        ({"redis_write_replicas": -1}, "redis_write_replicas must be 0"),
+        ({"redis_write_replicas_timeout_ms": 0}, "redis_write_replicas_timeout_ms must be 1"),
+    ]:
+        with pytest.raises(tfde.ConfigError, match=match):
+            tfde.RedisTableConfig(**bad)
+
+
+# ------------------------------------------------------------ resharding
+
+
+def _adam_steps(var, steps, on_step=None):
+    """`steps` Adam steps on 40 keys (rows, m and v: three tables written in
+    one transaction per bucket)."""
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05))
+    rng = np.random.default_rng(7)
+    for step in range(steps):
+        if on_step is not None:
+            on_step(step)
+        ids = tf.constant(rng.integers(0, 40, 16), tf.int64)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tfde.embedding_lookup(var, ids, training=True) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+
+
+def _slot_values(var):
+    keys = tf.range(40, dtype=tf.int64)
+    return [var.lookup(keys).numpy()] + [var.slots[name].lookup(keys).numpy() for name in sorted(var.slots)]
+
+
+@pytest.mark.parametrize("moves", ["all-keys-at-once", "one-key-at-a-time"])
+def test_training_rides_out_a_slot_migration_with_a_long_ask_window(moves):
+    """A bucket's slot migrates to another master during training, and the
+    migration stays open (between MIGRATE and SETSLOT NODE) for 3 s, far
+    longer than the retries allow (750 ms here).  Commands for the moved
+    keys are answered ASK; the client sends them on to the importing node
+    with ASKING at once (before, it read the slot map again, which still
+    named the old node, until the retries ran out).  Moved one key at a
+    time, a transaction finds some of its keys on each node and waits for
+    the rest.  The end state equals an uninterrupted run's."""
+    import threading
+
+    cluster = redis_servers.MigratingCluster()
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_connection_mode": 0,
+            "redis_host_ip": ["127.0.0.1"] * 3,
+            "redis_host_port": cluster.ports,
+            "model_tag_runtime": f"migrate-{moves}",
+            "redis_retry_deadline_ms": 750,
+        }
+    )
+    var = tfde.Variable("fault", dim=4, seed=2, table_creator=creator)
+    bucket = var.tables[0]._buckets[0]
+    window = {}
+
+    def migrate():
+        slot, source, target = window["slot"], window["source"], window["target"]
+        keys = cluster.keys_in(source, slot)
+        assert len(keys) >= 6, keys  # the buckets of the rows, of m and of v, and their write counts
+        if moves == "all-keys-at-once":
+            cluster.move(slot, source, target, keys)
+        else:
+            for key in keys:  # a transaction that meets the keys on two nodes waits (750 ms at most)
+                cluster.move(slot, source, target, [key])
+                time.sleep(0.05)
+        time.sleep(3.0)
+        window["steps_inside"] = window["step"] - window["opened_at"]
+        cluster.finish(slot, target)
+
+    def on_step(step):
+        window["step"] = step
+        if step == 4:
+            window["slot"], window["source"], window["target"] = cluster.begin(bucket)
+            window["opened_at"] = step
+            window["thread"] = threading.Thread(target=migrate)
+            window["thread"].start()
+        if step >= 4:
+            time.sleep(0.15)
+
+    _adam_steps(var, 36, on_step)
+    window["thread"].join()
+    assert window["steps_inside"] >= 10, window  # the training ran inside the open migration
+    assert cluster.master_of(bucket) == window["target"]
+    assert cluster.asking_calls(window["target"]) > 0
+    reference = tfde.Variable("fault", dim=4, seed=2)
+    _adam_steps(reference, 36)
+    for got, want in zip(_slot_values(var), _slot_values(reference)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -31,7 +31,7 @@ def tag():
     t = f"tfde-faults-{uuid.uuid4().hex[:12]}"
     yield t
     client = redis.Redis()
-    keys = list(client.scan_iter(match=f"{t}:*"))
+    keys = [k for pattern in (f"{t}:*", f"tfde-writes:{t}:*") for k in client.scan_iter(match=pattern)]
     if keys:
         client.delete(*keys)
 

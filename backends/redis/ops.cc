@@ -112,6 +112,49 @@ constexpr char kCredentialsHint[] = "check redis_user and redis_password in the 
 }
 
 // Attrs every Redis op shares: where the table lives and how to connect.
+// The write count of a bucket: a Redis counter in its cluster slot
+// ("tfde-writes:<bucket>" when the bucket name has a hash tag, else
+// "tfde-writes:{<bucket>}"; tfde/tables/redis_table.py write_count_key says
+// the same), named outside the table's own keys (a program that scans
+// "<model tag>:*" for a table's hashes does not meet it), that every insert
+// into the bucket increments in the same pipeline
+// (in the same transaction for TfdeRedisInsertGroup).  The counter only
+// grows, so a count at or below one this process has seen acknowledged
+// means the server lost acknowledged writes: a failover promoted a replica
+// that lagged, or the server came back from an older snapshot, or was
+// flushed.  The highest count seen per server and counter lives here,
+// process-wide, so every kernel writing a bucket checks the others' writes
+// too.
+std::string WriteCountKey(const std::string& bucket) {
+  const size_t open = bucket.find('{');
+  const size_t close = open == std::string::npos ? std::string::npos : bucket.find('}', open + 1);
+  if (close != std::string::npos && close > open + 1) return "tfde-writes:" + bucket;
+  return "tfde-writes:{" + bucket + "}";
+}
+
+class WriteCounts {
+ public:
+  // Records `count`, the reply of the INCR of `counter` on `servers`;
+  // returns "" or, when the count went back, why that means lost writes
+  // (and forgets the higher count, so the loss is reported once).
+  static std::string Check(const std::string& servers, const std::string& counter, const std::string& table,
+                           int64_t count) {
+    static std::mutex mu;
+    static std::map<std::string, int64_t> seen;
+    std::lock_guard<std::mutex> lock(mu);
+    int64_t& last = seen[servers + " " + counter];
+    const int64_t before = last;
+    last = count;
+    if (count > before) return "";
+    return "Redis at " + servers + " lost acknowledged writes of table '" + table + "': its write count " + counter +
+           " is " + std::to_string(count) + " after this process saw " + std::to_string(before) +
+           " acknowledged, so at least " + std::to_string(before - count + 1) +
+           " writes are gone (a failover promoted a replica that lagged behind the master, or the server restarted "
+           "from an older snapshot or was flushed) and training would go on from stale rows; restore the tables "
+           "from a checkpoint, and set \"redis_write_replicas\" in the Redis config so that writes wait for replicas";
+  }
+};
+
 class RedisOpBase : public OpKernel {
  public:
   explicit RedisOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -174,10 +217,23 @@ class RedisOpBase : public OpKernel {
     config.connect_timeout_ms = static_cast<int>(connect_ms);
     config.socket_timeout_ms = static_cast<int>(socket_ms);
     config.retry_deadline_ms = static_cast<int>(deadline_ms);
+    int64_t wait_replicas, wait_timeout_ms;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("write_replicas", &wait_replicas));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("write_replicas_timeout_ms", &wait_timeout_ms));
+    OP_REQUIRES(
+        ctx,
+        wait_replicas >= 0 && wait_replicas <= 1000 && wait_timeout_ms >= 1 &&
+            wait_timeout_ms <= std::numeric_limits<int>::max(),
+        errors::InvalidArgument("write_replicas must be 0 to 1000 and write_replicas_timeout_ms at least 1, got ",
+                                wait_replicas, " and ", wait_timeout_ms));
+    config.wait_replicas = static_cast<int>(wait_replicas);
+    config.wait_timeout_ms = static_cast<int>(wait_timeout_ms);
     OP_REQUIRES_OK(ctx, ReadErrorAttrs(ctx, &config));
     if (ctx->HasAttr("read_from_replicas"))  // TfdeRedisFind's: the only op that may read a replica
       OP_REQUIRES_OK(ctx, ctx->GetAttr("read_from_replicas", &config.read_from_replicas));
+    check_counts_ = !config.recreate_meta;  // recreate_if_missing accepts that rows (and counts) start afresh
     client_ = std::make_unique<resp::Client>(std::move(config));
+    for (const std::string& bucket : buckets_) count_keys_.push_back(WriteCountKey(bucket));
   }
 
  protected:
@@ -257,6 +313,14 @@ class RedisOpBase : public OpKernel {
   std::string table_name_;
   size_t chunk_ = 1024;  // keys per command (keys_sending_size)
   std::unique_ptr<resp::Client> client_;
+  std::vector<std::string> count_keys_;  // WriteCountKey of each bucket
+  bool check_counts_ = true;
+
+  // "" or why the INCR reply `r` of write counter `counter` means lost writes.
+  std::string CheckCount(const std::string& counter, const std::string& table, const resp::Reply& r) const {
+    if (r.type != resp::Reply::kInteger) return "a malformed INCR reply for " + counter;
+    return check_counts_ ? WriteCounts::Check(client_->Servers(), counter, table, r.integer) : "";
+  }
 };
 
 template <class TK>
@@ -361,12 +425,21 @@ class RedisInsertOp : public RedisOpBase {
         }
         commands.push_back(std::move(c));
       }
+      // After the bucket's HSETs on the same connection: counted once applied.
+      if (!keyed.by_bucket[b].empty()) commands.push_back(resp::Command{buckets_[b], {"INCR", count_keys_[b]}});
     }
+    std::string lost;
     try {
-      client_->Pipeline(commands, [](size_t, const resp::Reply&) {});
+      client_->Write(commands, [&](size_t c, const resp::Reply& r) {
+        if (commands[c].args[0] != "INCR") return;
+        const std::string why = CheckCount(std::string(commands[c].args[1]), table_name_, r);
+        if (lost.empty()) lost = why;
+      });
     } catch (const std::exception& e) {
       Fail(ctx, "insert", e);
+      return;
     }
+    if (!lost.empty()) Fail(ctx, "insert", resp::Error(lost, resp::ErrorKind::kTableLost));
   }
 };
 
@@ -392,6 +465,8 @@ class RedisInsertOp : public RedisOpBase {
       .Attr("connect_timeout_ms: int = 1000")          \
       .Attr("socket_timeout_ms: int = 1000")           \
       .Attr("retry_deadline_ms: int = 60000")          \
+      .Attr("write_replicas: int = 0")                 \
+      .Attr("write_replicas_timeout_ms: int = 1000")   \
       .Attr("error_kinds: list(string) = []")          \
       .Attr("meta_key: string = ''")                   \
       .Attr("meta: string = ''")                       \
@@ -492,6 +567,7 @@ class RedisInsertGroupOp : public RedisOpBase {
       }
     }
     per_bucket_ = mode == 0;
+    for (const std::string& bucket : other_buckets_) other_count_keys_.push_back(WriteCountKey(bucket));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -530,7 +606,10 @@ class RedisInsertGroupOp : public RedisOpBase {
     std::vector<resp::Command> commands;
     std::vector<size_t> tx_of;
     std::vector<int64_t> role;
-    std::vector<std::vector<std::pair<size_t, size_t>>> queued;  // per transaction: (table, bucket) of each HSET
+    // per transaction: (table, bucket) of each HSET, or of each INCR of a
+    // write count (table + tables: one INCR per table and bucket, after its
+    // HSETs)
+    std::vector<std::vector<std::pair<size_t, size_t>>> queued;
     auto add = [&](resp::Command c, int64_t r) {
       commands.push_back(std::move(c));
       tx_of.push_back(queued.size() - 1);
@@ -554,6 +633,8 @@ class RedisInsertGroupOp : public RedisOpBase {
           add(std::move(c), static_cast<int64_t>(queued.back().size()));
           queued.back().emplace_back(t, b);
         }
+        add(resp::Command{bucket, {"INCR", CountKeyOf(t, b)}}, static_cast<int64_t>(queued.back().size()));
+        queued.back().emplace_back(tables + t, b);
       }
       if (per_bucket_) add(resp::Command{buckets_[b], {"EXEC"}}, -2);
     }
@@ -562,6 +643,7 @@ class RedisInsertGroupOp : public RedisOpBase {
     // Replies are judged after the pipeline: a retry delivers a transaction
     // again from its MULTI, which resets its verdict (the last delivery counts).
     std::vector<std::string> problem(queued.size());
+    std::string lost;  // why a write count means lost writes (see WriteCounts)
     auto judge = [&](size_t c, const resp::Reply& r) {
       const size_t tx = tx_of[c];
       if (role[c] == -1) {
@@ -569,7 +651,7 @@ class RedisInsertGroupOp : public RedisOpBase {
         if (r.type != resp::Reply::kStatus || r.str != "OK") problem[tx] = "MULTI was not acknowledged";
       } else if (role[c] >= 0) {
         if (r.type != resp::Reply::kStatus || r.str != "QUEUED")
-          problem[tx] = "HSET " + BucketOf(queued[tx][role[c]].first, queued[tx][role[c]].second) +
+          problem[tx] = std::string(commands[c].args[0]) + " " + std::string(commands[c].args[1]) +
                         " was not queued; the transaction was not applied";
       } else if (r.type == resp::Reply::kNil) {
         problem[tx] = "EXEC discarded the transaction; none of its writes were applied";
@@ -578,8 +660,19 @@ class RedisInsertGroupOp : public RedisOpBase {
                       std::to_string(queued[tx].size()) + " commands); the transaction's outcome is unknown";
       } else {
         for (size_t j = 0; j < r.elements.size(); ++j) {
-          if (r.elements[j].type != resp::Reply::kError) continue;
           const auto& [t, b] = queued[tx][j];
+          if (t >= tables && r.elements[j].type != resp::Reply::kError) {
+            const std::string why = CheckCount(CountKeyOf(t - tables, b), TableName(t - tables), r.elements[j]);
+            if (lost.empty()) lost = why;
+            continue;
+          }
+          if (r.elements[j].type != resp::Reply::kError) continue;
+          if (t >= tables) {  // the rows were written; their count was not
+            problem[tx] = "INCR " + CountKeyOf(t - tables, b) + " (the write count of table '" + TableName(t - tables) +
+                          "', bucket " + std::to_string(b) + ") failed inside the transaction: " + r.elements[j].str +
+                          "; the rows were written";
+            break;
+          }
           problem[tx] = "HSET " + BucketOf(t, b) + " (table '" + TableName(t) + "', bucket " + std::to_string(b) +
                         ") failed inside the transaction: " + r.elements[j].str +
                         "; its other writes were applied, so keys of bucket " + std::to_string(b) +
@@ -590,7 +683,7 @@ class RedisInsertGroupOp : public RedisOpBase {
     };
     const std::string what = "grouped insert into " + std::to_string(tables) + " tables";
     try {
-      client_->Pipeline(commands, judge);
+      client_->Write(commands, judge);
     } catch (const resp::Error& e) {
       // A transaction refused by the server (EXECABORT) or never sent
       // (unreachable) was applied to none of its keys.
@@ -608,6 +701,7 @@ class RedisInsertGroupOp : public RedisOpBase {
         Fail(ctx, what.c_str(), resp::Error(p, resp::ErrorKind::kRefused));
         return;
       }
+    if (!lost.empty()) Fail(ctx, what.c_str(), resp::Error(lost, resp::ErrorKind::kTableLost));
   }
 
  private:
@@ -615,12 +709,16 @@ class RedisInsertGroupOp : public RedisOpBase {
     return table == 0 ? buckets_[bucket] : other_buckets_[(table - 1) * buckets_.size() + bucket];
   }
   const std::string& TableName(size_t table) const { return table == 0 ? table_name_ : other_names_[table - 1]; }
+  const std::string& CountKeyOf(size_t table, size_t bucket) const {
+    return table == 0 ? count_keys_[bucket] : other_count_keys_[(table - 1) * buckets_.size() + bucket];
+  }
 
   std::vector<DataType> other_dtypes_;
   std::vector<int64_t> other_dims_;
   std::vector<std::string> other_buckets_;  // table-major: other table t's bucket b at t * nb + b
   std::vector<std::string> other_names_;
-  bool per_bucket_ = true;  // cluster: one transaction per bucket (slot)
+  std::vector<std::string> other_count_keys_;  // WriteCountKey of other_buckets_, in their order
+  bool per_bucket_ = true;                     // cluster: one transaction per bucket (slot)
 };
 
 REGISTER_OP("TfdeRedisInsertGroup")
@@ -789,7 +887,7 @@ class RedisAccumOp : public RedisScriptOp {
         },
         &markers);
     try {
-      client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
+      client_->Write(commands, [&](size_t c, const resp::Reply& r) {
         if (r.type != resp::Reply::kInteger)
           throw resp::Error("a malformed accum script reply for " + std::string(commands[c].key), true);
       });
@@ -826,7 +924,7 @@ class RedisRemoveOp : public RedisScriptOp {
     // answers the kept count, so the total is exact.
     std::vector<int64_t> counts(commands.size(), 0);
     try {
-      client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
+      client_->Write(commands, [&](size_t c, const resp::Reply& r) {
         if (r.type != resp::Reply::kInteger)
           throw resp::Error("a malformed remove script reply for " + std::string(commands[c].key), true);
         counts[c] = r.integer;
@@ -852,11 +950,14 @@ class RedisBucketsOp : public RedisOpBase {
     for (const std::string& bucket : buckets_) commands.push_back(resp::Command{bucket, {command_, bucket}});
     std::vector<int64_t> counts(commands.size(), 0);
     try {
-      client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
-        if (r.type != resp::Reply::kInteger)
-          throw resp::Error("a malformed " + std::string(command_) + " reply for " + buckets_[c], true);
-        counts[c] = r.integer;
-      });
+      client_->Pipeline(
+          commands,
+          [&](size_t c, const resp::Reply& r) {
+            if (r.type != resp::Reply::kInteger)
+              throw resp::Error("a malformed " + std::string(command_) + " reply for " + buckets_[c], true);
+            counts[c] = r.integer;
+          },
+          command_ == std::string_view("DEL"));
     } catch (const std::exception& e) {
       Fail(ctx, what_, e);
       return;

@@ -373,6 +373,13 @@ struct Config {
   // the master, on the retry, for kReplicaPauseMs.  Such a client must only
   // read: replicas refuse writes.
   bool read_from_replicas = false;
+  // Durability (redis_write_replicas, redis_write_replicas_timeout_ms): a
+  // pipeline of writes ends on each node with WAIT wait_replicas
+  // wait_timeout_ms, and fewer acknowledgements than wait_replicas is a
+  // transient failure (retried: the writes are safe to resend, and a
+  // resyncing replica may catch up).  0: no WAIT.
+  int wait_replicas = 0;
+  int wait_timeout_ms = 1000;
 };
 
 // One command of a pipeline: `key` (a Redis key the command touches) routes
@@ -398,15 +405,29 @@ class Client {
   // waited in all past config.retry_deadline_ms (BackoffMs per failure).  An
   // exception thrown by deliver propagates (after the node's other replies
   // are read, so the connection stays in step) and is not retried unless it
-  // is a transient Error.
-  void Pipeline(const std::vector<Command>& commands, const std::function<void(size_t, const Reply&)>& deliver) {
+  // is a transient Error.  `writes`: the commands write, so with
+  // config.wait_replicas each node's pipeline waits for its replicas.
+  void Pipeline(const std::vector<Command>& commands, const std::function<void(size_t, const Reply&)>& deliver,
+                bool writes = false) {
     std::lock_guard<std::mutex> lock(mu_);
     std::string last;
     int waited = 0;
+    int failures = 0;
+    // ASK redirects of this call: the first command of a unit (see Units)
+    // -> the node it was redirected to.  An ASK holds for one query only
+    // (the slot still belongs to the node that answered it), so they are
+    // forgotten when the call returns, and when the slot map is read again.
+    std::map<size_t, std::string> asked;
     for (int attempt = 1;; ++attempt) {
       try {
-        if (TryPipeline(commands, deliver)) return;
-        last = "the cluster moved a slot";
+        const size_t known = asked.size();
+        const Outcome outcome = TryPipeline(commands, deliver, &asked, writes && config_.wait_replicas > 0);
+        if (outcome == Outcome::kDone) return;
+        // Units a node handed on with ASK are sent on at once; an ASK that
+        // taught nothing new waits like any retry.
+        if (outcome == Outcome::kAsked && asked.size() > known) continue;
+        last = outcome == Outcome::kMoved ? "the cluster moved a slot" : "a slot being migrated answered ASK again";
+        if (outcome == Outcome::kMoved) asked.clear();
       } catch (const Error& e) {
         if (!e.transient()) throw;
         last = e.what();
@@ -416,14 +437,21 @@ class Client {
         // while (Config::read_from_replicas).
         connections_.clear();
         discovered_ = false;
+        asked.clear();
         if (!replica_nodes_.empty())
           replicas_paused_until_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(kReplicaPauseMs);
       }
-      const int wait = BackoffMs(attempt);
+      ++failures;
+      const int wait = BackoffMs(failures);
       if (waited + wait > config_.retry_deadline_ms) throw Error(last, attempt, waited);
       std::this_thread::sleep_for(std::chrono::milliseconds(wait));
       waited += wait;
     }
+  }
+
+  // Pipeline for commands that write (see Config::wait_replicas).
+  void Write(const std::vector<Command>& commands, const std::function<void(size_t, const Reply&)>& deliver) {
+    Pipeline(commands, deliver, true);
   }
 
   int retry_deadline_ms() const { return config_.retry_deadline_ms; }
@@ -447,42 +475,127 @@ class Client {
   }
 
  private:
-  // false: a MOVED/ASK reply (the slot map changed); the caller retries.
-  bool TryPipeline(const std::vector<Command>& commands, const std::function<void(size_t, const Reply&)>& deliver) {
+  enum class Outcome {
+    kDone,   // every reply delivered
+    kMoved,  // a MOVED reply: the slot map changed (read again); the caller retries
+    kAsked,  // ASK replies: the caller sends those units again to the nodes in `asked`
+  };
+
+  // The units of a pipeline, as [begin, end) ranges of commands: a
+  // transaction (MULTI ... EXEC) is one unit, sent to one node as a whole;
+  // any other command is a unit of its own.
+  static std::vector<std::pair<size_t, size_t>> Units(const std::vector<Command>& commands) {
+    std::vector<std::pair<size_t, size_t>> units;
+    for (size_t i = 0; i < commands.size();) {
+      size_t end = i + 1;
+      if (commands[i].args[0] == "MULTI")
+        while (end < commands.size() && commands[end - 1].args[0] != "EXEC") ++end;
+      units.emplace_back(i, end);
+      i = end;
+    }
+    return units;
+  }
+
+  Outcome TryPipeline(const std::vector<Command>& commands, const std::function<void(size_t, const Reply&)>& deliver,
+                      std::map<size_t, std::string>* asked, bool wait) {
     if (discovered_ && paused_reads_ && !ReplicasPaused()) {
       connections_.clear();  // the pause is over: find the replicas again
       discovered_ = false;
     }
     Discover();
-    std::map<std::string, std::vector<size_t>> by_node;
-    for (size_t i = 0; i < commands.size(); ++i) by_node[NodeOf(commands[i].key)].push_back(i);
+    const auto units = Units(commands);
+    std::map<std::string, std::vector<size_t>> by_node;  // node -> its units (indices into units)
+    for (size_t u = 0; u < units.size(); ++u) {
+      auto it = asked->find(units[u].first);
+      by_node[it != asked->end() ? it->second : NodeOf(commands[units[u].first].key)].push_back(u);
+    }
+    bool straddles = false;
+    std::string straddle;
+    std::map<size_t, std::string> redirected;  // this attempt's ASKs
     for (const auto& [node, list] : by_node) {
       Connection& c = ConnectionTo(node);
       bool moved = false;
       std::unique_ptr<Error> refused;  // the first error reply
       std::exception_ptr undelivered;  // what deliver threw
       try {
-        for (size_t i : list) c.Append(commands[i].args);
+        for (size_t u : list) {
+          // A unit an ASK sent here is preceded by ASKING, which lets the
+          // importing node serve its next command, or, before MULTI, the
+          // whole transaction.
+          if (asked->count(units[u].first) != 0) c.Append({"ASKING"});
+          for (size_t i = units[u].first; i < units[u].second; ++i) c.Append(commands[i].args);
+        }
+        const std::string replicas = std::to_string(config_.wait_replicas);
+        const std::string timeout = std::to_string(config_.wait_timeout_ms);
+        if (wait) c.Append({"WAIT", replicas, timeout});
         c.Flush();
         // Every reply is read, whatever came before it: a reply left unread
         // would be taken for the answer to a later command.
-        for (size_t i : list) {
-          Reply r = c.Read();
-          if (r.type == Reply::kError) {
-            if (IsRedirect(r.str)) {
-              moved = true;
-            } else if (refused == nullptr) {
-              refused = std::make_unique<Error>(c.Address() + " answered " + std::string(commands[i].args[0]) + " " +
-                                                    std::string(commands[i].key) + ": " + r.str,
-                                                KindOf(r.str));
-            }
-            continue;
+        for (size_t u : list) {
+          const auto [begin, end] = units[u];
+          if (asked->count(begin) != 0) {
+            Reply r = c.Read();
+            if (r.type != Reply::kStatus && refused == nullptr)
+              refused = std::make_unique<Error>(c.Address() + " answered ASKING: " + r.str,
+                                                r.type == Reply::kError ? KindOf(r.str) : ErrorKind::kTransient);
           }
-          if (moved || refused != nullptr || undelivered != nullptr) continue;
-          try {
-            deliver(i, r);
-          } catch (...) {
-            undelivered = std::current_exception();
+          std::string ask_to;  // where an ASK reply of this unit points
+          size_t served = 0;   // commands of a transaction this node queued
+          std::unique_ptr<Error> unit_refused;
+          for (size_t i = begin; i < end; ++i) {
+            Reply r = c.Read();
+            const bool inner = end - begin > 1 && i > begin && i + 1 < end;  // queued inside MULTI ... EXEC
+            if (r.type == Reply::kError) {
+              const std::string_view code = ErrorCode(r.str);
+              if (code == "MOVED") {
+                moved = true;
+              } else if (code == "ASK") {
+                const size_t space = r.str.rfind(' ');
+                ask_to = r.str.substr(space + 1);
+              } else if (unit_refused == nullptr) {
+                unit_refused = std::make_unique<Error>(c.Address() + " answered " + std::string(commands[i].args[0]) +
+                                                           " " + std::string(commands[i].key) + ": " + r.str,
+                                                       KindOf(r.str));
+              }
+              continue;
+            }
+            if (inner) ++served;
+            if (moved || refused != nullptr || undelivered != nullptr || !ask_to.empty()) continue;
+            try {
+              deliver(i, r);
+            } catch (...) {
+              undelivered = std::current_exception();
+            }
+          }
+          if (ask_to.empty()) {
+            if (unit_refused != nullptr && refused == nullptr) refused = std::move(unit_refused);
+          } else if (served > 0) {
+            // Some keys of the transaction are still here, others moved on:
+            // it cannot run on either node until the migration moves the
+            // rest (the EXECABORT that followed applied none of it).
+            straddles = true;
+            straddle = c.Address() + " holds some keys of the transaction on " + std::string(commands[begin].key) +
+                       " and sent the others on with ASK to " + ask_to + " (a slot migration is moving them)";
+          } else {
+            redirected[begin] = ask_to;  // the EXECABORT of an asked transaction applied none of it
+          }
+        }
+        if (wait) {
+          // WAIT answers once the replicas acknowledged every write before
+          // it on this connection, or the timeout passed: how many did.
+          Reply r = c.Read();
+          if (r.type != Reply::kInteger) {
+            if (refused == nullptr)
+              refused = std::make_unique<Error>(c.Address() + " answered WAIT: " + r.str,
+                                                r.type == Reply::kError ? KindOf(r.str) : ErrorKind::kTransient);
+          } else if (r.integer < config_.wait_replicas && refused == nullptr && !moved) {
+            refused = std::make_unique<Error>(
+                "only " + std::to_string(r.integer) + " of the " + replicas +
+                    " replicas redis_write_replicas asks for " + "acknowledged the writes to " + c.Address() +
+                    " within " + timeout +
+                    " ms (redis_write_replicas_timeout_ms); the master applied them, but they may be lost if it "
+                    "fails before a replica has them",
+                ErrorKind::kTransient);
           }
         }
       } catch (...) {
@@ -496,12 +609,15 @@ class Client {
       // retry on the new node, not a refusal.
       if (moved) {
         discovered_ = false;
-        return false;
+        return Outcome::kMoved;
       }
       if (refused != nullptr) throw *refused;
       if (undelivered != nullptr) std::rethrow_exception(undelivered);
     }
-    return true;
+    if (straddles) throw Error(straddle, ErrorKind::kTransient);
+    if (redirected.empty()) return Outcome::kDone;
+    for (auto& [begin, node] : redirected) (*asked)[begin] = std::move(node);
+    return Outcome::kAsked;
   }
 
   // One command outside a pipeline; an error reply throws, classified.
@@ -519,8 +635,18 @@ class Client {
     auto it = connections_.find(node);
     if (it != connections_.end()) return *it->second;
     const size_t colon = node.rfind(':');
-    auto c = std::make_unique<Connection>(node.substr(0, colon), std::stoi(node.substr(colon + 1)),
-                                          config_.connect_timeout_ms, config_.socket_timeout_ms);
+    std::unique_ptr<Connection> c;
+    try {
+      c = std::make_unique<Connection>(node.substr(0, colon), std::stoi(node.substr(colon + 1)),
+                                       config_.connect_timeout_ms, config_.socket_timeout_ms);
+    } catch (const Error& e) {
+      if (config_.mode != 1 || replica_nodes_.count(node) != 0) throw;
+      // Say whose address it is: the sentinels keep naming a master that
+      // died until they promote a replica (never, if it has none).
+      throw Error(std::string(e.what()) + " (the master the sentinels name for '" + config_.master_name +
+                      "'; they name another once they promote one of its replicas)",
+                  ErrorKind::kTransient);
+    }
     Authenticate(*c, config_.user, config_.password);
     if (config_.mode != 0 && config_.db != 0) Call(*c, {"SELECT", std::to_string(config_.db)});
     if (config_.mode == 0 && config_.read_from_replicas) Call(*c, {"READONLY"});

@@ -78,6 +78,17 @@ class RedisTableConfig:
       retry finds the master (sentinels) or the slot map (cluster) again, so
       the default rides out a failover under Sentinel's and Cluster's default
       timeouts.  0: one attempt, no retries.
+    redis_write_replicas (tfde's own, default 0): each write of the native
+      ops (a training step's rows and slots, accum, remove, clear) ends on
+      every master with ``WAIT redis_write_replicas
+      redis_write_replicas_timeout_ms``, so a step counts as written only
+      once that many replicas hold it; fewer acknowledgements are retried
+      (the writes are safe to resend) within redis_retry_deadline_ms, then
+      raise BackendUnavailableError saying how many replicas answered.  0:
+      no WAIT (Redis's asynchronous replication: a failover may lose the
+      last writes).
+    redis_write_replicas_timeout_ms (tfde's own, default 1000): how long
+      each WAIT waits, 1 to MAX_TIMEOUT_MS.
     """
 
     redis_connection_mode: int = 2
@@ -113,6 +124,8 @@ class RedisTableConfig:
     model_lib_abs_dir: str = "/tmp/"
     recreate_if_missing: bool = False
     redis_retry_deadline_ms: int = REDIS_RETRY_DEADLINE_MS
+    redis_write_replicas: int = 0
+    redis_write_replicas_timeout_ms: int = 1000
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -157,6 +170,16 @@ class RedisTableConfig:
             raise ConfigError(
                 f"redis_retry_deadline_ms must be 0 (no retries) to {MAX_TIMEOUT_MS} milliseconds of waiting "
                 f"between retries, got {self.redis_retry_deadline_ms}"
+            )
+        if not 0 <= self.redis_write_replicas <= 1000:
+            raise ConfigError(
+                f"redis_write_replicas must be 0 (no WAIT) to 1000 replicas, got {self.redis_write_replicas}"
+            )
+        if not 1 <= self.redis_write_replicas_timeout_ms <= MAX_TIMEOUT_MS:
+            raise ConfigError(
+                f"redis_write_replicas_timeout_ms must be 1 to {MAX_TIMEOUT_MS} milliseconds, got "
+                f"{self.redis_write_replicas_timeout_ms} (WAIT's 0, wait forever, is not offered: a lost replica "
+                "must surface as an error)"
             )
         if self.storage_slice > 4096:
             raise ConfigError(f"storage_slice {self.storage_slice} is too large; expected at most 4096 buckets")

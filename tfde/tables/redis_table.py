@@ -272,11 +272,23 @@ def native_attrs(
         connect_timeout_ms=cfg.redis_connect_timeout,
         socket_timeout_ms=cfg.redis_socket_timeout,
         retry_deadline_ms=cfg.redis_retry_deadline_ms,
+        write_replicas=cfg.redis_write_replicas,
+        write_replicas_timeout_ms=cfg.redis_write_replicas_timeout_ms,
         error_kinds=[f"{code}={kind}" for code, kind in sorted(REDIS_ERROR_KINDS.items())],
         meta_key=meta_key,
         meta=meta if recreate else b"",
         recreate_meta=recreate,
     )
+
+
+def write_count_key(bucket: str) -> str:
+    """The Redis counter that every native insert into `bucket` increments
+    (backends/redis/ops.cc WriteCountKey, the same rule): in the bucket's
+    cluster slot, named outside the table's own keys.  A count that goes back tells lost writes apart
+    from a table that is merely behind (docs/redis.md, "What can be lost")."""
+    open_ = bucket.find("{")
+    close = bucket.find("}", open_ + 1) if open_ >= 0 else -1
+    return f"tfde-writes:{bucket}" if open_ >= 0 and close > open_ + 1 else f"tfde-writes:{{{bucket}}}"
 
 
 def table_lost_message(address: str, table_name: str, meta_key: str) -> str:
@@ -380,6 +392,23 @@ def _error_kind(error) -> str:
     if isinstance(error, x.DataError):
         return "refused"  # redis-py refused the arguments before sending
     return "transient"  # ConnectionError, TimeoutError, cluster discovery errors
+
+
+def _no_master_detail(client, master_name: str) -> str:
+    """What the sentinels behind `client` (a redis-py Sentinel master
+    client) last said of `master_name`: the address they name and how they
+    flag it, so that "No master found" says where the master was."""
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    for sentinel in getattr(manager, "sentinels", ()):
+        try:
+            state = sentinel.sentinel_master(master_name)
+        except Exception:  # this sentinel is down too: ask the next
+            continue
+        return (
+            f" (the sentinels last named {state['ip']}:{state['port']} as the master of {master_name!r}, "
+            f"flagged {state['flags']}: it is down and no replica has been promoted yet)"
+        )
+    return f" (no sentinel answered for {master_name!r} either)"
 
 
 def _check_credentials(cfg: RedisTableConfig, client) -> None:
@@ -497,7 +526,8 @@ class RedisTable(Table, trackable_base.Trackable):
         self._call("open", lambda: _check_credentials(config, self._client))
         self._open_meta()
         self._watch()
-        self._call("open", lambda: [self._client.persist(k) for k in self._buckets + [self._meta_key]])
+        self._keys = self._buckets + [write_count_key(b) for b in self._buckets] + [self._meta_key]
+        self._call("open", lambda: [self._client.persist(k) for k in self._keys])
 
     def memory_bytes(self):
         """0: the rows live in Redis, not in this process."""
@@ -508,7 +538,7 @@ class RedisTable(Table, trackable_base.Trackable):
         0 keeps them forever, as in TFRA).  Opening the table again removes it."""
         ttl = self.config.expire_model_tag_in_seconds
         if ttl > 0:
-            self._call("close", lambda: [self._client.expire(k, ttl) for k in self._buckets + [self._meta_key]])
+            self._call("close", lambda: [self._client.expire(k, ttl) for k in self._keys])
 
     # ------------------------------------------------------------ plumbing
 
@@ -521,6 +551,7 @@ class RedisTable(Table, trackable_base.Trackable):
         name the server, the operation and the table, in the words of the
         native ops (backends/redis/ops.cc Fail)."""
         import redis
+        import redis.sentinel
 
         at = f"Redis at {self.config.describe_servers()}"
         during = f"{what} of table {self.name!r}"
@@ -541,6 +572,8 @@ class RedisTable(Table, trackable_base.Trackable):
                 if kind != "transient":
                     raise BackendError(f"{at} refused {during}: {e}") from None
                 if attempt == len(waits):
+                    if isinstance(e, redis.sentinel.MasterNotFoundError):
+                        e = f"{e}{_no_master_detail(self._client, self.config.redis_master_name)}"
                     raise BackendUnavailableError(
                         f"{at} unreachable during {during} after {attempt + 1} attempts in {sum(waits)} ms of "
                         f"retries (redis_retry_deadline_ms {deadline}): {e}"
