@@ -773,6 +773,45 @@ def test_lost_acknowledged_writes_are_noticed_on_the_next_write(tmp_path):
         _adam_steps(var, 8, rewind)
 
 
+def test_tables_of_one_name_in_two_databases_keep_their_own_write_counts(tag):
+    """Write counts are told apart by database: a table of the same name in
+    db 0 (ahead: 5 writes) and db 1 (behind) trains on in both, with no
+    false report of lost writes (which keying by server alone gave)."""
+    ahead, behind = (
+        tfde.Variable("same", dim=2, table_creator=tfde.RedisTableCreator({"model_tag_runtime": tag, "redis_db": db}))
+        for db in (0, 1)
+    )
+    keys = tf.constant([1, 2], tf.int64)
+    for _ in range(5):
+        ahead.upsert(keys, tf.ones([2, 2]))
+    for _ in range(3):
+        behind.upsert(keys, tf.ones([2, 2]))
+        ahead.upsert(keys, tf.ones([2, 2]))
+    client = redis.Redis(db=1)
+    for key in client.scan_iter(match=f"*{tag}:*"):
+        client.delete(key)
+
+
+def test_a_table_deleted_and_created_again_starts_its_own_write_counts(tag):
+    """Counts are remembered per table object: after a table's keys are
+    deleted (as a user's cleanup script does), a Variable created again
+    under the same name trains from count 1 with no report of lost writes,
+    while the old Variable, whose rows are gone, is told so at its next
+    write."""
+    creator = tfde.RedisTableCreator({"model_tag_runtime": tag})
+    old = tfde.Variable("again", dim=2, table_creator=creator)
+    keys = tf.constant([1, 2], tf.int64)
+    for _ in range(5):
+        old.upsert(keys, tf.ones([2, 2]))
+    client = redis.Redis()
+    client.delete(*[k for p in (f"{tag}:*", f"tfde-writes:{tag}:*") for k in client.scan_iter(match=p)])
+    new = tfde.Variable("again", dim=2, table_creator=creator)
+    for _ in range(3):
+        new.upsert(keys, tf.ones([2, 2]))
+    with pytest.raises(tfde.BackendError, match="lost acknowledged writes .* at least 2 writes are gone"):
+        old.upsert(keys, tf.ones([2, 2]))
+
+
 def test_write_replicas_is_validated():
     for bad, match in [
         ({"redis_write_replicas": -1}, "redis_write_replicas must be 0"),

@@ -122,9 +122,10 @@ constexpr char kCredentialsHint[] = "check redis_user and redis_password in the 
 // grows, so a count at or below one this process has seen acknowledged
 // means the server lost acknowledged writes: a failover promoted a replica
 // that lagged, or the server came back from an older snapshot, or was
-// flushed.  The highest count seen per server and counter lives here,
-// process-wide, so every kernel writing a bucket checks the others' writes
-// too.
+// flushed.  The highest count seen lives here, process-wide, per counter
+// and RedisTable (the `writer` attr), so every kernel of a table (eager,
+// each tf.function) checks the others' writes too, and a table created
+// again under the same name starts afresh.
 std::string WriteCountKey(const std::string& bucket) {
   const size_t open = bucket.find('{');
   const size_t close = open == std::string::npos ? std::string::npos : bucket.find('}', open + 1);
@@ -134,24 +135,18 @@ std::string WriteCountKey(const std::string& bucket) {
 
 class WriteCounts {
  public:
-  // Records `count`, the reply of the INCR of `counter` on `servers`;
-  // returns "" or, when the count went back, why that means lost writes
-  // (and forgets the higher count, so the loss is reported once).
-  static std::string Check(const std::string& servers, const std::string& counter, const std::string& table,
-                           int64_t count) {
+  // Records `count`, the reply of an INCR of the counter `at` names
+  // (server, database, writer and key); returns -1, or the higher count
+  // seen before when the count went back (and forgets it, so that a loss is
+  // reported once).
+  static int64_t Check(const std::string& at, int64_t count) {
     static std::mutex mu;
     static std::map<std::string, int64_t> seen;
     std::lock_guard<std::mutex> lock(mu);
-    int64_t& last = seen[servers + " " + counter];
+    int64_t& last = seen[at];
     const int64_t before = last;
     last = count;
-    if (count > before) return "";
-    return "Redis at " + servers + " lost acknowledged writes of table '" + table + "': its write count " + counter +
-           " is " + std::to_string(count) + " after this process saw " + std::to_string(before) +
-           " acknowledged, so at least " + std::to_string(before - count + 1) +
-           " writes are gone (a failover promoted a replica that lagged behind the master, or the server restarted "
-           "from an older snapshot or was flushed) and training would go on from stale rows; restore the tables "
-           "from a checkpoint, and set \"redis_write_replicas\" in the Redis config so that writes wait for replicas";
+    return count > before ? -1 : before;
   }
 };
 
@@ -232,6 +227,7 @@ class RedisOpBase : public OpKernel {
     if (ctx->HasAttr("read_from_replicas"))  // TfdeRedisFind's: the only op that may read a replica
       OP_REQUIRES_OK(ctx, ctx->GetAttr("read_from_replicas", &config.read_from_replicas));
     check_counts_ = !config.recreate_meta;  // recreate_if_missing accepts that rows (and counts) start afresh
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("writer", &writer_));
     client_ = std::make_unique<resp::Client>(std::move(config));
     for (const std::string& bucket : buckets_) count_keys_.push_back(WriteCountKey(bucket));
   }
@@ -315,11 +311,23 @@ class RedisOpBase : public OpKernel {
   std::unique_ptr<resp::Client> client_;
   std::vector<std::string> count_keys_;  // WriteCountKey of each bucket
   bool check_counts_ = true;
+  std::string writer_;  // the writer attr: whose acknowledged counts WriteCounts compares with
 
   // "" or why the INCR reply `r` of write counter `counter` means lost writes.
   std::string CheckCount(const std::string& counter, const std::string& table, const resp::Reply& r) const {
     if (r.type != resp::Reply::kInteger) return "a malformed INCR reply for " + counter;
-    return check_counts_ ? WriteCounts::Check(client_->Servers(), counter, table, r.integer) : "";
+    if (!check_counts_) return "";
+    // Keyed by the database too (two databases of a server may hold tables
+    // of one name) and by the writer: the RedisTable whose kernels these are.
+    const int64_t before = WriteCounts::Check(
+        client_->Servers() + " db " + std::to_string(client_->db()) + " " + writer_ + " " + counter, r.integer);
+    if (before < 0) return "";
+    return "Redis at " + client_->Servers() + " lost acknowledged writes of table '" + table + "': its write count " +
+           counter + " is " + std::to_string(r.integer) + " after this table saw " + std::to_string(before) +
+           " acknowledged, so at least " + std::to_string(before - r.integer + 1) +
+           " writes are gone (a failover promoted a replica that lagged behind the master, or the server restarted "
+           "from an older snapshot or was flushed) and training would go on from stale rows; restore the tables "
+           "from a checkpoint, and set \"redis_write_replicas\" in the Redis config so that writes wait for replicas";
   }
 };
 
@@ -471,6 +479,7 @@ class RedisInsertOp : public RedisOpBase {
       .Attr("meta_key: string = ''")                   \
       .Attr("meta: string = ''")                       \
       .Attr("recreate_meta: bool = false")             \
+      .Attr("writer: string = ''")                     \
       .SetIsDistributedCommunication()
 
 REGISTER_OP("TfdeRedisInsert")

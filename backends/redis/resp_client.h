@@ -455,6 +455,7 @@ class Client {
   }
 
   int retry_deadline_ms() const { return config_.retry_deadline_ms; }
+  int db() const { return config_.db; }
 
   // "host:port, host:port" of the configured servers (sentinels in mode 1),
   // as tfde's Python side names them (RedisTableConfig.describe_servers).

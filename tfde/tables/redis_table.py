@@ -242,7 +242,13 @@ def _connect_client(cfg: RedisTableConfig, common: dict, servers):
 
 
 def native_attrs(
-    cfg: RedisTableConfig, buckets, table_name: str, credentials: str = "", meta_key: str = "", meta: bytes = b""
+    cfg: RedisTableConfig,
+    buckets,
+    table_name: str,
+    credentials: str = "",
+    meta_key: str = "",
+    meta: bytes = b"",
+    writer: str = "",
 ) -> dict:
     """Attrs of the native Redis ops (backends/redis/ops.cc) for a table.
     Passwords are never attrs: `credentials` names the ones registered in
@@ -253,7 +259,10 @@ def native_attrs(
     REDIS_ERROR_KINDS (one table for both clients).  `meta_key`: every new
     connection checks that it still exists (a server restarted empty, see
     _TableWatch); when cfg.recreate_if_missing is set and `meta` (the packed
-    meta value) is given, the ops write it again instead."""
+    meta value) is given, the ops write it again instead.  `writer`: who
+    the write counts the ops check are remembered for (backends/redis/ops.cc
+    WriteCounts): one id per RedisTable, so a table dropped and created again
+    under the same name starts with counts of its own."""
     env = not credentials
     recreate = bool(cfg.recreate_if_missing and meta and meta_key)
     return dict(
@@ -278,6 +287,7 @@ def native_attrs(
         meta_key=meta_key,
         meta=meta if recreate else b"",
         recreate_meta=recreate,
+        writer=writer,
     )
 
 
@@ -522,7 +532,9 @@ class RedisTable(Table, trackable_base.Trackable):
         self._meta_key = f"{prefix}:{name}:meta"
         self._key_width = {tf.int64: 8, tf.int32: 4}.get(self.key_dtype)
         self._ops = _native.load()  # every operation of the training path (no Python per call)
-        self._attrs = native_attrs(config, self._buckets, name, credentials, self._meta_key, self._packed_meta())
+        self._attrs = native_attrs(
+            config, self._buckets, name, credentials, self._meta_key, self._packed_meta(), writer=uuid.uuid4().hex
+        )
         self._call("open", lambda: _check_credentials(config, self._client))
         self._open_meta()
         self._watch()
