@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+import redis.cluster
 import redis_servers
 import tensorflow as tf
 
@@ -810,6 +811,27 @@ def test_a_table_deleted_and_created_again_starts_its_own_write_counts(tag):
         new.upsert(keys, tf.ones([2, 2]))
     with pytest.raises(tfde.BackendError, match="lost acknowledged writes .* at least 2 writes are gone"):
         old.upsert(keys, tf.ones([2, 2]))
+
+
+def test_a_cluster_table_whose_write_count_would_leave_its_slot_is_refused_at_creation():
+    """ "e{}mb" puts an empty hash tag in every bucket name, so a bucket
+    hashes whole and its write count would land in another slot (every
+    write would then fail, CROSSSLOT or MOVED, for the whole retry
+    deadline): refused when the table is made, naming the fix, and nothing
+    is written."""
+    ports = redis_servers.cluster()
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_connection_mode": 0,
+            "redis_host_ip": ["127.0.0.1"] * len(ports),
+            "redis_host_port": ports,
+            "model_tag_runtime": "odd-names",
+        }
+    )
+    with pytest.raises(tfde.ConfigError, match=r"different cluster slots.*empty hash tag"):
+        tfde.Variable("e{}mb", dim=2, table_creator=creator)
+    cluster = redis.cluster.RedisCluster(host="127.0.0.1", port=ports[0])
+    assert not list(cluster.scan_iter(match="odd-names:*"))
 
 
 def test_write_replicas_is_validated():

@@ -8,6 +8,7 @@ optimizer slots.  Timeouts are short (FAST), so the file runs in well under
 a minute."""
 
 import re
+import threading
 import time
 import uuid
 
@@ -608,3 +609,42 @@ def test_export_walks_every_bucket_in_bounded_chunks_through_faults(tag):
         redis.Redis().hset(f"{tag}:{TABLE}:{{0}}", b"12345678", b"short")
         with pytest.raises(tfde.ShapeError, match="a row of 5 bytes where 16 are expected"):
             list(table.export(10_000))
+
+
+def test_a_write_retried_on_a_server_that_never_had_its_first_attempt_is_no_loss(tmp_path):
+    """A write whose first attempt reached the server but was never
+    acknowledged (the connection died before its last command), retried on
+    a server that lacks that attempt (here rewound to a snapshot of before
+    it, as a failover to a replica that had not received it would be): the
+    retry counts the same write count again, which is no loss, since no
+    write the table was told of is gone.  Before, the count of the failed
+    attempt was remembered and the retry raised "lost acknowledged writes"."""
+    port = redis_servers.standalone(("--enable-debug-command", "yes", "--dir", str(tmp_path)))
+    server = redis.Redis(port=port)
+    keys = _balanced_keys(4)  # 2 buckets: HSET, INCR, HSET, INCR
+    with FaultProxy(port) as proxy:
+        var = _variable(proxy.port, "retried", keys_sending_size=1024, redis_retry_deadline_ms=10_000)
+        for _ in range(5):
+            var.upsert(keys, _rows(keys))
+        server.save()
+        proxy.cut(at=3)  # the second bucket's INCR never arrives; the first's reply was read
+        outcome = []
+        writer = threading.Thread(target=lambda: outcome.append(_call(lambda: var.upsert(keys, _rows(keys, 1.0)))))
+        writer.start()
+        deadline = time.monotonic() + 10
+        while not proxy.was_cut:
+            assert time.monotonic() < deadline, "the write never reached the cut"
+            time.sleep(0.01)
+        server.execute_command("DEBUG", "RELOAD", "NOSAVE")  # the unacknowledged attempt is gone
+        proxy.heal()
+        writer.join()
+        assert outcome == [None], outcome
+        np.testing.assert_array_equal(var.lookup(tf.constant(keys)).numpy(), _rows(keys, 1.0))
+
+
+def _call(fn):
+    try:
+        fn()
+    except Exception as e:  # the test reports it
+        return e
+    return None

@@ -135,18 +135,29 @@ std::string WriteCountKey(const std::string& bucket) {
 
 class WriteCounts {
  public:
-  // Records `count`, the reply of an INCR of the counter `at` names
-  // (server, database, writer and key); returns -1, or the higher count
-  // seen before when the count went back (and forgets it, so that a loss is
-  // reported once).
-  static int64_t Check(const std::string& at, int64_t count) {
+  // The highest count seen of the counter `at` names (server, database,
+  // writer and key); 0 when none.
+  static int64_t Get(const std::string& at) {
+    std::lock_guard<std::mutex> lock(Mu());
+    auto it = Seen().find(at);
+    return it == Seen().end() ? 0 : it->second;
+  }
+  // Records a count: the higher of it and what is there, or, after a loss
+  // (`lost`), the count itself, so that the loss is reported once.
+  static void Put(const std::string& at, int64_t count, bool lost) {
+    std::lock_guard<std::mutex> lock(Mu());
+    int64_t& last = Seen()[at];
+    last = lost ? count : std::max(last, count);
+  }
+
+ private:
+  static std::mutex& Mu() {
     static std::mutex mu;
+    return mu;
+  }
+  static std::map<std::string, int64_t>& Seen() {
     static std::map<std::string, int64_t> seen;
-    std::lock_guard<std::mutex> lock(mu);
-    int64_t& last = seen[at];
-    const int64_t before = last;
-    last = count;
-    return count > before ? -1 : before;
+    return seen;
   }
 };
 
@@ -229,7 +240,15 @@ class RedisOpBase : public OpKernel {
     check_counts_ = !config.recreate_meta;  // recreate_if_missing accepts that rows (and counts) start afresh
     OP_REQUIRES_OK(ctx, ctx->GetAttr("writer", &writer_));
     client_ = std::make_unique<resp::Client>(std::move(config));
-    for (const std::string& bucket : buckets_) count_keys_.push_back(WriteCountKey(bucket));
+    for (const std::string& bucket : buckets_) {
+      count_keys_.push_back(WriteCountKey(bucket));
+      // In a cluster a bucket's count must share its slot (a bucket named
+      // "a{}b{c}" hashes whole, its count would hash "c").
+      OP_REQUIRES(ctx, mode != 0 || resp::KeySlot(count_keys_.back()) == resp::KeySlot(bucket),
+                  errors::InvalidArgument("the write count of bucket '", bucket,
+                                          "' would lie in another cluster slot than the bucket; give the bucket a "
+                                          "hash tag ({...}) in redis_hash_tags_runtime"));
+    }
   }
 
  protected:
@@ -313,21 +332,59 @@ class RedisOpBase : public OpKernel {
   bool check_counts_ = true;
   std::string writer_;  // the writer attr: whose acknowledged counts WriteCounts compares with
 
-  // "" or why the INCR reply `r` of write counter `counter` means lost writes.
-  std::string CheckCount(const std::string& counter, const std::string& table, const resp::Reply& r) const {
-    if (r.type != resp::Reply::kInteger) return "a malformed INCR reply for " + counter;
-    if (!check_counts_) return "";
-    // Keyed by the database too (two databases of a server may hold tables
-    // of one name) and by the writer: the RedisTable whose kernels these are.
-    const int64_t before = WriteCounts::Check(
-        client_->Servers() + " db " + std::to_string(client_->db()) + " " + writer_ + " " + counter, r.integer);
-    if (before < 0) return "";
-    return "Redis at " + client_->Servers() + " lost acknowledged writes of table '" + table + "': its write count " +
-           counter + " is " + std::to_string(r.integer) + " after this table saw " + std::to_string(before) +
-           " acknowledged, so at least " + std::to_string(before - r.integer + 1) +
-           " writes are gone (a failover promoted a replica that lagged behind the master, or the server restarted "
-           "from an older snapshot or was flushed) and training would go on from stale rows; restore the tables "
-           "from a checkpoint, and set \"redis_write_replicas\" in the Redis config so that writes wait for replicas";
+  // The write counts of one call (see WriteCounts): Before() snapshots what
+  // this table saw acknowledged before the call sends anything; Got() keeps
+  // each INCR reply (a retry's replaces the first: the last delivery
+  // counts); Check(), once the call succeeded, returns "" or why a count at
+  // or below its snapshot means lost writes.  Only the replies of a call
+  // that succeeded are recorded, and each count is compared with what was
+  // acknowledged before it was sent, so neither a retry that meets the same
+  // count again on a new master nor another thread's concurrent writes read
+  // as a loss.
+  class Counts {
+   public:
+    explicit Counts(const RedisOpBase* op) : op_(op) {}
+    void Before(const std::string& counter, const std::string& table) {
+      if (seen_.count(counter) != 0) return;
+      seen_[counter] = {WriteCounts::Get(op_->CountAt(counter)), -1, table};
+    }
+    void Got(const std::string& counter, const resp::Reply& r) {
+      if (r.type != resp::Reply::kInteger)
+        throw resp::Error("a malformed INCR reply for the write count " + counter, true);
+      seen_.at(counter).got = r.integer;
+    }
+    std::string Check() const {
+      std::string why;
+      for (const auto& [counter, c] : seen_) {
+        if (c.got < 0) continue;
+        const bool lost = op_->check_counts_ && c.got <= c.before;
+        WriteCounts::Put(op_->CountAt(counter), c.got, lost);
+        if (!lost || !why.empty()) continue;
+        why = "Redis at " + op_->client_->Servers() + " lost acknowledged writes of table '" + c.table +
+              "': its write count " + counter + " is " + std::to_string(c.got) + " after this table saw " +
+              std::to_string(c.before) + " acknowledged, so at least " + std::to_string(c.before - c.got + 1) +
+              " writes are gone (a failover promoted a replica that lagged behind the master, or the server "
+              "restarted from an older snapshot or was flushed) and training would go on from stale rows; restore "
+              "the tables from a checkpoint, and set \"redis_write_replicas\" in the Redis config so that writes "
+              "wait for replicas";
+      }
+      return why;
+    }
+
+   private:
+    struct Count {
+      int64_t before, got;
+      std::string table;
+    };
+    const RedisOpBase* op_;
+    std::map<std::string, Count> seen_;
+  };
+
+  // Where WriteCounts keeps `counter`: keyed by the database too (two
+  // databases of a server may hold tables of one name) and by the writer
+  // (the RedisTable whose kernels these are).
+  std::string CountAt(const std::string& counter) const {
+    return client_->Servers() + " db " + std::to_string(client_->db()) + " " + writer_ + " " + counter;
   }
 };
 
@@ -434,19 +491,20 @@ class RedisInsertOp : public RedisOpBase {
         commands.push_back(std::move(c));
       }
       // After the bucket's HSETs on the same connection: counted once applied.
-      if (!keyed.by_bucket[b].empty()) commands.push_back(resp::Command{buckets_[b], {"INCR", count_keys_[b]}});
+      if (!keyed.by_bucket[b].empty()) commands.push_back(resp::Command{count_keys_[b], {"INCR", count_keys_[b]}});
     }
-    std::string lost;
+    Counts counts(this);
+    for (const resp::Command& c : commands)
+      if (c.args[0] == "INCR") counts.Before(std::string(c.args[1]), table_name_);
     try {
       client_->Write(commands, [&](size_t c, const resp::Reply& r) {
-        if (commands[c].args[0] != "INCR") return;
-        const std::string why = CheckCount(std::string(commands[c].args[1]), table_name_, r);
-        if (lost.empty()) lost = why;
+        if (commands[c].args[0] == "INCR") counts.Got(std::string(commands[c].args[1]), r);
       });
     } catch (const std::exception& e) {
       Fail(ctx, "insert", e);
       return;
     }
+    const std::string lost = counts.Check();
     if (!lost.empty()) Fail(ctx, "insert", resp::Error(lost, resp::ErrorKind::kTableLost));
   }
 };
@@ -642,7 +700,7 @@ class RedisInsertGroupOp : public RedisOpBase {
           add(std::move(c), static_cast<int64_t>(queued.back().size()));
           queued.back().emplace_back(t, b);
         }
-        add(resp::Command{bucket, {"INCR", CountKeyOf(t, b)}}, static_cast<int64_t>(queued.back().size()));
+        add(resp::Command{CountKeyOf(t, b), {"INCR", CountKeyOf(t, b)}}, static_cast<int64_t>(queued.back().size()));
         queued.back().emplace_back(tables + t, b);
       }
       if (per_bucket_) add(resp::Command{buckets_[b], {"EXEC"}}, -2);
@@ -652,7 +710,10 @@ class RedisInsertGroupOp : public RedisOpBase {
     // Replies are judged after the pipeline: a retry delivers a transaction
     // again from its MULTI, which resets its verdict (the last delivery counts).
     std::vector<std::string> problem(queued.size());
-    std::string lost;  // why a write count means lost writes (see WriteCounts)
+    Counts counts(this);
+    for (size_t tx = 0; tx < queued.size(); ++tx)
+      for (const auto& [t, b] : queued[tx])
+        if (t >= tables) counts.Before(CountKeyOf(t - tables, b), TableName(t - tables));
     auto judge = [&](size_t c, const resp::Reply& r) {
       const size_t tx = tx_of[c];
       if (role[c] == -1) {
@@ -671,15 +732,14 @@ class RedisInsertGroupOp : public RedisOpBase {
         for (size_t j = 0; j < r.elements.size(); ++j) {
           const auto& [t, b] = queued[tx][j];
           if (t >= tables && r.elements[j].type != resp::Reply::kError) {
-            const std::string why = CheckCount(CountKeyOf(t - tables, b), TableName(t - tables), r.elements[j]);
-            if (lost.empty()) lost = why;
+            counts.Got(CountKeyOf(t - tables, b), r.elements[j]);
             continue;
           }
           if (r.elements[j].type != resp::Reply::kError) continue;
           if (t >= tables) {  // the rows were written; their count was not
             problem[tx] = "INCR " + CountKeyOf(t - tables, b) + " (the write count of table '" + TableName(t - tables) +
                           "', bucket " + std::to_string(b) + ") failed inside the transaction: " + r.elements[j].str +
-                          "; the rows were written";
+                          "; the transaction's other commands ran";
             break;
           }
           problem[tx] = "HSET " + BucketOf(t, b) + " (table '" + TableName(t) + "', bucket " + std::to_string(b) +
@@ -710,6 +770,7 @@ class RedisInsertGroupOp : public RedisOpBase {
         Fail(ctx, what.c_str(), resp::Error(p, resp::ErrorKind::kRefused));
         return;
       }
+    const std::string lost = counts.Check();
     if (!lost.empty()) Fail(ctx, what.c_str(), resp::Error(lost, resp::ErrorKind::kTableLost));
   }
 

@@ -154,6 +154,12 @@ class Connection {
 
   std::string Address() const { return host_ + ":" + std::to_string(port_); }
 
+  // How long a read may wait for the server (SO_RCVTIMEO).
+  void SetReceiveTimeout(int ms) const {
+    timeval tv{ms / 1000, (ms % 1000) * 1000};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  }
+
   // Queues one command (sent by Flush).
   void Append(const std::vector<std::string_view>& args) {
     out_ += "*" + std::to_string(args.size()) + "\r\n";
@@ -583,8 +589,11 @@ class Client {
         }
         if (wait) {
           // WAIT answers once the replicas acknowledged every write before
-          // it on this connection, or the timeout passed: how many did.
+          // it on this connection, or the timeout passed: how many did.  Its
+          // reply may take the WAIT timeout on top of the socket timeout.
+          c.SetReceiveTimeout(config_.socket_timeout_ms + config_.wait_timeout_ms);
           Reply r = c.Read();
+          c.SetReceiveTimeout(config_.socket_timeout_ms);
           if (r.type != Reply::kInteger) {
             if (refused == nullptr)
               refused = std::make_unique<Error>(c.Address() + " answered WAIT: " + r.str,

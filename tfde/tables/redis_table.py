@@ -301,6 +301,22 @@ def write_count_key(bucket: str) -> str:
     return f"tfde-writes:{bucket}" if open_ >= 0 and close > open_ + 1 else f"tfde-writes:{{{bucket}}}"
 
 
+def _check_count_slots(name: str, buckets) -> None:
+    """In a cluster, each bucket's write count must share the bucket's slot
+    (they are written in one transaction): refused, before anything is
+    written, for a name that breaks the hash tag (a bucket named "a{}b{c}"
+    hashes whole, its count would hash "c")."""
+    from redis.crc import key_slot
+
+    for bucket in buckets:
+        if key_slot(write_count_key(bucket).encode()) != key_slot(bucket.encode()):
+            raise ConfigError(
+                f"Redis table {name!r}: its bucket {bucket!r} and that bucket's write count "
+                f"{write_count_key(bucket)!r} would lie in different cluster slots, because the name holds an "
+                "empty hash tag '{}'; rename the table (or the model tag) without '{}'"
+            )
+
+
 def table_lost_message(address: str, table_name: str, meta_key: str) -> str:
     """Why a table's operations fail once its server lost it; the native
     client says the same (backends/redis/resp_client.h CheckTable)."""
@@ -530,6 +546,8 @@ class RedisTable(Table, trackable_base.Trackable):
         self._tags = config.hash_tags()
         self._buckets = [f"{prefix}:{name}:{tag}" for tag in self._tags]
         self._meta_key = f"{prefix}:{name}:meta"
+        if config.redis_connection_mode == 0:
+            _check_count_slots(name, self._buckets)
         self._key_width = {tf.int64: 8, tf.int32: 4}.get(self.key_dtype)
         self._ops = _native.load()  # every operation of the training path (no Python per call)
         self._attrs = native_attrs(
