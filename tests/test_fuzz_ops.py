@@ -1084,6 +1084,7 @@ def test_redis_ops_answer_like_the_reference_or_refuse(
                     "tfde_redis_find",
                     keys_arg(keys, key_dtype, bad),
                     defaults_arg(defaults, value_dtype, n, dim, bad),
+                    tf.constant(-1, tf.int64),  # no training step
                     **attrs,
                     **init,
                 )
@@ -1119,7 +1120,7 @@ import tensorflow as tf
 from tfde import _native
 ops = _native.load()
 f = tf.function(lambda k, d: ops.tfde_redis_find(
-    k, d, dim=-5, buckets=["x"], mode=2, servers=["127.0.0.1:{REDIS_PORT}"]),
+    k, d, tf.constant(-1, tf.int64), dim=-5, buckets=["x"], mode=2, servers=["127.0.0.1:{REDIS_PORT}"]),
     input_signature=[tf.TensorSpec(None, tf.int64), tf.TensorSpec(None, tf.float32)])
 try:
     f.get_concrete_function()

@@ -648,3 +648,90 @@ def _call(fn):
     except Exception as e:  # the test reports it
         return e
     return None
+
+
+# ------------------------------------------------------------ a failed step run again
+
+
+def _two_tables(port, tag):
+    """A two-tower-like step on Redis: a user and an item Variable (the
+    item one with a frequency policy: its scores are written with its rows),
+    a dense weight, one Adam; retries for 100 ms only, so a server that
+    stays unreachable fails the step."""
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_host_port": port,
+            "model_tag_runtime": tag,
+            "storage_slice": 2,
+            "keys_sending_size": 8,
+            "redis_connect_timeout": 200,
+            "redis_socket_timeout": 200,
+            "redis_retry_deadline_ms": 100,
+        }
+    )
+    user = tfde.Variable("user", dim=4, seed=1, table_creator=creator)
+    item = tfde.Variable("item", dim=4, seed=2, table_creator=creator, restrict_policy=tfde.FrequencyRestrictPolicy)
+    dense = tf.Variable(tf.fill([4, 1], 0.5))
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05))
+
+    @tf.function
+    def step(users, items):
+        with tf.GradientTape() as tape:
+            u = tfde.embedding_lookup(user, users, training=True)
+            i = tfde.embedding_lookup(item, items, training=True)
+            loss = tf.reduce_sum(tf.square(tf.matmul(u * i, dense) - 1.0))
+        variables = [user.step_buffer, item.step_buffer, dense]
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    def state():
+        keys = tf.range(30, dtype=tf.int64)
+        out = [dense.numpy()]
+        for var in (user, item):
+            out.append(var.lookup(keys).numpy())
+            out += [var.slots[name].lookup(keys).numpy() for name in sorted(var.slots)]
+        out.append(item.restrict_policy.scores.lookup(keys).numpy())
+        return out
+
+    return step, state
+
+
+def _batches(steps=7):
+    rng = np.random.default_rng(11)
+    return [(tf.constant(rng.integers(0, 30, 16), tf.int64), tf.constant(rng.integers(0, 30, 16), tf.int64))
+            for _ in range(steps)]  # fmt: skip
+
+
+@pytest.mark.parametrize("at", [0.02, 0.1, 0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 0.95, 0.99])
+def test_a_step_that_failed_part_way_and_is_run_again_applies_once(tag, at):
+    """Step 4 of 7 fails at a point `at` of its commands (the server is cut
+    off there: the commands before it ran, their replies may be lost, the
+    rest never arrive), after writing some of its tables or buckets and not
+    others (the user Variable's, then the item Variable's), and is run again
+    on the same batch: the end state (rows, Adam's m and v, the policy
+    scores, the dense weight) equals an uninterrupted run's.  The step run
+    again reads what its first attempt wrote as it was before (the step
+    stamps and undo entries), so it computes the same update and applies it
+    once.  Before, the buckets the first attempt had written were updated a
+    second time."""
+    batches = _batches()
+    step, state = _two_tables(6379, f"{tag}-reference")
+    for users, items in batches:
+        step(users, items)
+    want = state()
+    with FaultProxy(6379) as proxy:
+        step, state = _two_tables(proxy.port, tag)
+        for users, items in batches[:3]:
+            step(users, items)
+        before = proxy.requests
+        step(*batches[3])
+        per_step = proxy.requests - before
+        proxy.cut(at=int(at * per_step))
+        with pytest.raises(tf.errors.UnavailableError):
+            step(*batches[4])
+        proxy.heal()
+        proxy.clear()
+        for users, items in batches[4:]:
+            step(users, items)
+        got = state()
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)

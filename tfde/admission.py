@@ -90,7 +90,9 @@ class CounterFilter(AdmissionFilter):
         admitted_new = seen >= float(self.min_count)
         waiting = tf.boolean_mask(candidates, ~admitted_new)
         ops = [
-            self.counts.upsert(waiting, tf.boolean_mask(seen, ~admitted_new)[:, None]),
+            # A training step's write (the step's number: a step run again
+            # after a failure reads the counts its first attempt read).
+            *self.counts._write_step(waiting, tf.boolean_mask(seen, ~admitted_new)[:, None], {}),
             self.counts.remove(tf.boolean_mask(candidates, admitted_new)),
         ]
         with tf.control_dependencies([o for o in ops if o is not None]):

@@ -33,7 +33,7 @@ from tfde.flavour import flavour_fix, keras_flavour_name
 from tfde.optimizer_rules import RULES, hp
 from tfde.optimizer_rules import rule_for as _rule_for
 from tfde.saving import registered as _registered
-from tfde.variable import is_step_buffer
+from tfde.variable import is_step_buffer, next_training_step
 
 
 def _check_options(opt):
@@ -169,6 +169,11 @@ class DynamicEmbeddingMixin:
             resets = [v._tfde_variable._reset_step_buffer() for _, v in sparse]
         with tf.control_dependencies(resets):
             updates = [self._tfde_apply_rows(p) for p in prepared]
+        # The step is done once every write succeeded: a step that failed
+        # keeps its number, so running it again reads what its first attempt
+        # read (Table.find_to_update's step).
+        with tf.control_dependencies(updates):
+            updates.append(next_training_step())
         return dense, updates
 
     # ---------------------------------------------------------------- internals

@@ -62,6 +62,32 @@ def _module_name(name: str) -> str:
     return cleaned if cleaned and not cleaned[0].isdigit() else "v_" + cleaned
 
 
+_STEPS = []  # this process's training step counter, made on first use (training_step)
+
+
+def training_step():
+    """This process's training step number: an int64 scalar that every
+    training step of a DynamicEmbeddingOptimizer advances once all of its
+    table writes succeeded (next_training_step), so a step that failed and
+    is run again reads the same number.  Training reads and writes carry it
+    to the tables (Table.find_to_update, Table.insert_with), where a store
+    whose writes may fail part-way makes the step run again apply once
+    (docs/redis.md, "A step run again").  None inside a TF1 graph, which
+    cannot read an eager variable."""
+    with tf.init_scope():
+        if not tf.executing_eagerly():
+            return None
+        if not _STEPS:
+            _STEPS.append(local_variable(tf.constant(0, tf.int64), [], False, "tfde_training_step"))
+    return _STEPS[0].read_value()
+
+
+def next_training_step():
+    """Advances training_step() (the optimizer, after a step's writes)."""
+    training_step()
+    return _STEPS[0].assign_add(1) if _STEPS else tf.no_op()
+
+
 class Variable(tf.Module):
     """A dynamic embedding table.
 
@@ -278,15 +304,19 @@ class Variable(tf.Module):
         missing = self._missing(flat_keys, for_update)
         tables = self._read_tables()
         primary = for_update or in_step
+        step = training_step() if primary else None
+
+        def read(table, keys, missing):
+            return table.find_to_update(keys, missing, step) if primary else table.find(keys, missing)
+
         if len(tables) == 1:
-            table = tables[0]
-            values, exists = (table.find_to_update if primary else table.find)(flat_keys, missing)
+            values, exists = read(tables[0], flat_keys, missing)
         else:
             keys, pos = self._split(flat_keys, len(tables))
             found = []
             for i, table in enumerate(tables):
                 shard_missing = missing if isinstance(missing, _init.InitSpec) else tf.gather(missing, pos[i])
-                found.append((table.find_to_update if primary else table.find)(keys[i], shard_missing))
+                found.append(read(table, keys[i], shard_missing))
             values = tf.dynamic_stitch(pos, [f[0] for f in found])
             exists = tf.dynamic_stitch(pos, [f[1] for f in found])
         values.set_shape([None, self.dim])
@@ -532,14 +562,15 @@ class Variable(tf.Module):
                     f"{self.num_shards} of {self.key_dtype.name}; make it with {self.name!r}.slot()"
                 )
         tables = self._write_tables()
+        step = training_step()
         if self.num_shards == 1:
-            return tables[0].insert_with(keys, rows, [(s._tables[0], v) for s, v in others])
+            return tables[0].insert_with(keys, rows, [(s._tables[0], v) for s, v in others], step)
         parts, pos = self._split(keys)
         ops = []
         for i, table in enumerate(tables):
             ops.extend(
                 table.insert_with(
-                    parts[i], tf.gather(rows, pos[i]), [(s._tables[i], tf.gather(v, pos[i])) for s, v in others]
+                    parts[i], tf.gather(rows, pos[i]), [(s._tables[i], tf.gather(v, pos[i])) for s, v in others], step
                 )
             )
         return ops

@@ -126,11 +126,49 @@ constexpr char kCredentialsHint[] = "check redis_user and redis_password in the 
 // and RedisTable (the `writer` attr), so every kernel of a table (eager,
 // each tf.function) checks the others' writes too, and a table created
 // again under the same name starts afresh.
-std::string WriteCountKey(const std::string& bucket) {
+std::string BesideBucket(const char* kind, const std::string& bucket) {
   const size_t open = bucket.find('{');
   const size_t close = open == std::string::npos ? std::string::npos : bucket.find('}', open + 1);
-  if (close != std::string::npos && close > open + 1) return "tfde-writes:" + bucket;
-  return "tfde-writes:{" + bucket + "}";
+  if (close != std::string::npos && close > open + 1) return std::string(kind) + ":" + bucket;
+  return std::string(kind) + ":{" + bucket + "}";
+}
+std::string WriteCountKey(const std::string& bucket) { return BesideBucket("tfde-writes", bucket); }
+
+// Steps a replay finds undone (docs/redis.md, "A step run again").  A
+// training step's grouped write of bucket b stamps it ("tfde-step:<bucket>"
+// = "<this process's run id>:<step>") and keeps the rows it overwrote, and
+// which fields were absent, in "tfde-undo:<bucket>" (a hash: field -> the
+// old row, "" for a key that was not stored).  The same step written again
+// (its replay after a failure) keeps the first undo entries.  A training
+// read of step s finds a bucket stamped with step s of this run as it was
+// before step s: its undo entries override what the bucket holds.  So a
+// step that failed after writing some buckets, run again, reads what the
+// first attempt read, computes the same rows and writes them again: it is
+// applied once.  Other processes have other run ids: a stamp of another
+// process never matches.
+std::string StepKey(const std::string& bucket) { return BesideBucket("tfde-step", bucket); }
+std::string UndoKey(const std::string& bucket) { return BesideBucket("tfde-undo", bucket); }
+const std::string& RunId() {
+  static const std::string id = [] {
+    std::random_device source;
+    char out[17];
+    std::snprintf(out, sizeof(out), "%08x%08x", source(), source());
+    return std::string(out);
+  }();
+  return id;
+}
+std::string StepStamp(int64_t step) { return RunId() + ":" + std::to_string(step); }
+
+// The step input of TfdeRedisFind and TfdeRedisInsertGroup: a scalar int64,
+// -1 outside training steps.
+::absl::Status ReadStep(OpKernelContext* ctx, int index, int64_t* step) {
+  const Tensor& t = ctx->input(index);
+  if (t.dims() != 0 || t.dtype() != ::tensorflow::DT_INT64)
+    return errors::InvalidArgument("step must be an int64 scalar, got ", DataTypeString(t.dtype()), " of shape ",
+                                   t.shape().DebugString());
+  *step = t.scalar<int64_t>()();
+  if (*step < -1) return errors::InvalidArgument("step must be -1 (no training step) or >= 0, got ", *step);
+  return ::absl::OkStatus();
 }
 
 class WriteCounts {
@@ -241,6 +279,8 @@ class RedisOpBase : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("writer", &writer_));
     client_ = std::make_unique<resp::Client>(std::move(config));
     for (const std::string& bucket : buckets_) {
+      step_keys_.push_back(StepKey(bucket));
+      undo_keys_.push_back(UndoKey(bucket));
       count_keys_.push_back(WriteCountKey(bucket));
       // In a cluster a bucket's count must share its slot (a bucket named
       // "a{}b{c}" hashes whole, its count would hash "c").
@@ -329,6 +369,8 @@ class RedisOpBase : public OpKernel {
   size_t chunk_ = 1024;  // keys per command (keys_sending_size)
   std::unique_ptr<resp::Client> client_;
   std::vector<std::string> count_keys_;  // WriteCountKey of each bucket
+  std::vector<std::string> step_keys_;   // StepKey of each bucket
+  std::vector<std::string> undo_keys_;   // UndoKey of each bucket
   bool check_counts_ = true;
   std::string writer_;  // the writer attr: whose acknowledged counts WriteCounts compares with
 
@@ -407,45 +449,86 @@ class RedisFindOp : public RedisOpBase {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &values));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &exists));
     if (n == 0) return;
+    int64_t step;
+    OP_REQUIRES_OK(ctx, ReadStep(ctx, 2, &step));
     const Routed keyed = Route<TK>(keys);
-    // One HMGET per (bucket, chunk of keys); positions[c] = the keys of command c.
+    // One HMGET per (bucket, chunk of keys); positions[c] = the keys of
+    // command c.  A training step's read (step >= 0) also asks each bucket's
+    // step stamp (bucket_of[c] says whose; -1 for an HMGET).
     std::vector<resp::Command> commands;
     std::vector<std::vector<int64_t>> positions;
+    std::vector<int64_t> bucket_of;
     for (size_t b = 0; b < keyed.by_bucket.size(); ++b) {
+      if (step >= 0 && !keyed.by_bucket[b].empty()) {
+        commands.push_back(resp::Command{step_keys_[b], {"GET", step_keys_[b]}});
+        positions.emplace_back();
+        bucket_of.push_back(static_cast<int64_t>(b));
+      }
       for (size_t s = 0; s < keyed.by_bucket[b].size(); s += chunk_) {
         resp::Command c{buckets_[b], {"HMGET", buckets_[b]}};
         positions.emplace_back(keyed.by_bucket[b].begin() + s,
                                keyed.by_bucket[b].begin() + std::min(s + chunk_, keyed.by_bucket[b].size()));
         for (int64_t i : positions.back()) c.args.push_back(keyed.fields[i]);
         commands.push_back(std::move(c));
+        bucket_of.push_back(-1);
       }
     }
+    const std::string stamp = step >= 0 ? StepStamp(step) : "";
+    std::vector<bool> undone(keyed.by_bucket.size(), false);  // stamped with this step: read its undo entries
     char* out = const_cast<char*>(values->tensor_data().data());
     bool* ex = exists->flat<bool>().data();
     OP_REQUIRES_OK(ctx, WithValueType(value_dtype_, [&](auto v) {
                      using V = decltype(v);
                      const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(V);
+                     // Row j of reply r for key i; `undo`: an undo entry, where ""
+                     // means the key was not stored and nil that the step left it.
+                     auto take = [&](const resp::Reply& r, size_t c, const std::vector<std::vector<int64_t>>& at,
+                                     const std::vector<resp::Command>& sent, bool undo) {
+                       if (r.type != resp::Reply::kArray || r.elements.size() != at[c].size())
+                         throw resp::Error("a malformed HMGET reply for " + std::string(sent[c].key), true);
+                       for (size_t j = 0; j < at[c].size(); ++j) {
+                         const int64_t i = at[c][j];
+                         const resp::Reply& value = r.elements[j];
+                         if (undo && value.type != resp::Reply::kBulk) continue;
+                         if (value.type != resp::Reply::kBulk || (undo && value.str.empty())) {
+                           missing.template Fill<V>(i, keyed.hashes[i], dim_, out + i * row_bytes);
+                           ex[i] = false;
+                           continue;
+                         }
+                         if (value.str.size() != row_bytes)
+                           throw std::length_error("a row in " + std::string(sent[c].key) + " has " +
+                                                   std::to_string(value.str.size()) + " bytes, expected " +
+                                                   std::to_string(row_bytes) + " for " + Describe() +
+                                                   ": the table holds another dim or dtype");
+                         std::memcpy(out + i * row_bytes, value.str.data(), row_bytes);
+                         ex[i] = true;
+                       }
+                     };
                      try {
                        client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
-                         if (r.type != resp::Reply::kArray || r.elements.size() != positions[c].size())
-                           throw resp::Error("a malformed HMGET reply for " + buckets_[0], true);
-                         for (size_t j = 0; j < positions[c].size(); ++j) {
-                           const int64_t i = positions[c][j];
-                           const resp::Reply& value = r.elements[j];
-                           if (value.type != resp::Reply::kBulk) {
-                             missing.template Fill<V>(i, keyed.hashes[i], dim_, out + i * row_bytes);
-                             ex[i] = false;
-                             continue;
-                           }
-                           if (value.str.size() != row_bytes)
-                             throw std::length_error("a row in " + std::string(commands[c].key) + " has " +
-                                                     std::to_string(value.str.size()) + " bytes, expected " +
-                                                     std::to_string(row_bytes) + " for " + Describe() +
-                                                     ": the table holds another dim or dtype");
-                           std::memcpy(out + i * row_bytes, value.str.data(), row_bytes);
-                           ex[i] = true;
+                         if (bucket_of[c] >= 0) {
+                           undone[bucket_of[c]] = r.type == resp::Reply::kBulk && r.str == stamp;
+                           return;
                          }
+                         take(r, c, positions, commands, false);
                        });
+                       // Rare: the buckets a failed attempt of this step wrote.
+                       std::vector<resp::Command> undo;
+                       std::vector<std::vector<int64_t>> undo_positions;
+                       for (size_t b = 0; b < undone.size(); ++b) {
+                         if (!undone[b]) continue;
+                         for (size_t s = 0; s < keyed.by_bucket[b].size(); s += chunk_) {
+                           resp::Command c{undo_keys_[b], {"HMGET", undo_keys_[b]}};
+                           undo_positions.emplace_back(
+                               keyed.by_bucket[b].begin() + s,
+                               keyed.by_bucket[b].begin() + std::min(s + chunk_, keyed.by_bucket[b].size()));
+                           for (int64_t i : undo_positions.back()) c.args.push_back(keyed.fields[i]);
+                           undo.push_back(std::move(c));
+                         }
+                       }
+                       if (!undo.empty())
+                         client_->Pipeline(
+                             undo, [&](size_t c, const resp::Reply& r) { take(r, c, undo_positions, undo, true); });
                      } catch (const std::exception& e) {
                        Fail(ctx, "find", e);
                      }
@@ -550,6 +633,7 @@ REGISTER_OP("TfdeRedisInsert")
 REGISTER_OP("TfdeRedisFind")
     .Input("keys: Tkey")
     .Input("defaults: Tvalue")
+    .Input("step: int64")
     .Output("values: Tvalue")
     .Output("exists: bool")
     .TFDE_REDIS_ATTRS.Attr("init_kind: {'defaults', 'constant', 'uniform', 'normal', 'truncated_normal'} = 'defaults'")
@@ -634,7 +718,12 @@ class RedisInsertGroupOp : public RedisOpBase {
       }
     }
     per_bucket_ = mode == 0;
-    for (const std::string& bucket : other_buckets_) other_count_keys_.push_back(WriteCountKey(bucket));
+    for (const std::string& bucket : other_buckets_) {
+      other_count_keys_.push_back(WriteCountKey(bucket));
+      other_step_keys_.push_back(StepKey(bucket));
+      other_undo_keys_.push_back(UndoKey(bucket));
+    }
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("step_script", &step_script_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -661,11 +750,23 @@ class RedisInsertGroupOp : public RedisOpBase {
       rows[t] = v.tensor_data().data();
       row_bytes[t] = static_cast<size_t>(dim) * ::tensorflow::DataTypeSize(v.dtype());
     }
+    int64_t step;
+    OP_REQUIRES_OK(ctx, ReadStep(ctx, 2 + others.size(), &step));
+    OP_REQUIRES(
+        ctx, step < 0 || !step_script_.empty(),
+        errors::InvalidArgument("a training step's grouped insert (step ", step, ") needs the step_script attr"));
     Tensor* written = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &written));
     written->scalar<int64_t>()() = n;
     if (n == 0) return;
     const Routed keyed = Route<TK>(keys);
+    // A training step's writes stamp and keep undo entries (StepKey, UndoKey)
+    // through step_script: per bucket one EVAL of all tables, whose keys are
+    // (bucket, undo, stamp, count) per table and whose arguments are the
+    // stamp, the key count, the fields, then each table's rows.
+    const std::string stamp = step >= 0 ? StepStamp(step) : "";
+    const std::string num_keys = std::to_string(4 * tables);
+    std::deque<std::string> sizes;  // the key counts of the EVALs (the commands hold views)
 
     // commands: per transaction MULTI, its HSETs, EXEC.  role[c] is -1 for a
     // MULTI, -2 for an EXEC, else the index into queued[tx_of[c]] of the HSET.
@@ -687,6 +788,25 @@ class RedisInsertGroupOp : public RedisOpBase {
       if (per_bucket_ || queued.empty()) {
         queued.emplace_back();
         add(resp::Command{buckets_[b], {"MULTI"}}, -1);
+      }
+      if (step >= 0) {
+        resp::Command c{buckets_[b], {"EVAL", step_script_, num_keys}};
+        for (size_t t = 0; t < tables; ++t) {
+          c.args.push_back(BucketOf(t, b));
+          c.args.push_back(UndoKeyOf(t, b));
+          c.args.push_back(StepKeyOf(t, b));
+          c.args.push_back(CountKeyOf(t, b));
+        }
+        sizes.push_back(std::to_string(keyed.by_bucket[b].size()));
+        c.args.push_back(stamp);
+        c.args.push_back(sizes.back());
+        for (int64_t i : keyed.by_bucket[b]) c.args.push_back(keyed.fields[i]);
+        for (size_t t = 0; t < tables; ++t)
+          for (int64_t i : keyed.by_bucket[b]) c.args.emplace_back(rows[t] + i * row_bytes[t], row_bytes[t]);
+        add(std::move(c), static_cast<int64_t>(queued.back().size()));
+        queued.back().emplace_back(2 * tables, b);
+        if (per_bucket_) add(resp::Command{buckets_[b], {"EXEC"}}, -2);
+        continue;
       }
       for (size_t t = 0; t < tables; ++t) {
         const std::string& bucket = BucketOf(t, b);
@@ -712,8 +832,10 @@ class RedisInsertGroupOp : public RedisOpBase {
     std::vector<std::string> problem(queued.size());
     Counts counts(this);
     for (size_t tx = 0; tx < queued.size(); ++tx)
-      for (const auto& [t, b] : queued[tx])
-        if (t >= tables) counts.Before(CountKeyOf(t - tables, b), TableName(t - tables));
+      for (const auto& [t, b] : queued[tx]) {
+        if (t >= tables && t < 2 * tables) counts.Before(CountKeyOf(t - tables, b), TableName(t - tables));
+        for (size_t u = 0; t == 2 * tables && u < tables; ++u) counts.Before(CountKeyOf(u, b), TableName(u));
+      }
     auto judge = [&](size_t c, const resp::Reply& r) {
       const size_t tx = tx_of[c];
       if (role[c] == -1) {
@@ -721,7 +843,7 @@ class RedisInsertGroupOp : public RedisOpBase {
         if (r.type != resp::Reply::kStatus || r.str != "OK") problem[tx] = "MULTI was not acknowledged";
       } else if (role[c] >= 0) {
         if (r.type != resp::Reply::kStatus || r.str != "QUEUED")
-          problem[tx] = std::string(commands[c].args[0]) + " " + std::string(commands[c].args[1]) +
+          problem[tx] = std::string(commands[c].args[0]) + " " + std::string(commands[c].key) +
                         " was not queued; the transaction was not applied";
       } else if (r.type == resp::Reply::kNil) {
         problem[tx] = "EXEC discarded the transaction; none of its writes were applied";
@@ -731,6 +853,20 @@ class RedisInsertGroupOp : public RedisOpBase {
       } else {
         for (size_t j = 0; j < r.elements.size(); ++j) {
           const auto& [t, b] = queued[tx][j];
+          if (t == 2 * tables && r.elements[j].type != resp::Reply::kError) {  // the step script: a count per table
+            const resp::Reply& got = r.elements[j];
+            if (got.type != resp::Reply::kArray || got.elements.size() != tables)
+              throw resp::Error("a malformed reply of the step script for bucket " + std::to_string(b), true);
+            for (size_t u = 0; u < tables; ++u) counts.Got(CountKeyOf(u, b), got.elements[u]);
+            continue;
+          }
+          if (t == 2 * tables) {
+            problem[tx] = "the step script of bucket " + std::to_string(b) + " (table '" + table_name_ +
+                          "' and the tables written with it) failed: " + r.elements[j].str +
+                          "; a script that fails stops where it is, so keys of bucket " + std::to_string(b) +
+                          " may be written to some of the tables and not to others";
+            break;
+          }
           if (t >= tables && r.elements[j].type != resp::Reply::kError) {
             counts.Got(CountKeyOf(t - tables, b), r.elements[j]);
             continue;
@@ -782,12 +918,21 @@ class RedisInsertGroupOp : public RedisOpBase {
   const std::string& CountKeyOf(size_t table, size_t bucket) const {
     return table == 0 ? count_keys_[bucket] : other_count_keys_[(table - 1) * buckets_.size() + bucket];
   }
+  const std::string& StepKeyOf(size_t table, size_t bucket) const {
+    return table == 0 ? step_keys_[bucket] : other_step_keys_[(table - 1) * buckets_.size() + bucket];
+  }
+  const std::string& UndoKeyOf(size_t table, size_t bucket) const {
+    return table == 0 ? undo_keys_[bucket] : other_undo_keys_[(table - 1) * buckets_.size() + bucket];
+  }
 
   std::vector<DataType> other_dtypes_;
   std::vector<int64_t> other_dims_;
   std::vector<std::string> other_buckets_;  // table-major: other table t's bucket b at t * nb + b
   std::vector<std::string> other_names_;
   std::vector<std::string> other_count_keys_;  // WriteCountKey of other_buckets_, in their order
+  std::vector<std::string> other_step_keys_;   // StepKey of other_buckets_
+  std::vector<std::string> other_undo_keys_;   // UndoKey of other_buckets_
+  std::string step_script_;                    // tfde/tables/redis_table.py _STEP_LUA
   bool per_bucket_ = true;                     // cluster: one transaction per bucket (slot)
 };
 
@@ -795,8 +940,10 @@ REGISTER_OP("TfdeRedisInsertGroup")
     .Input("keys: Tkey")
     .Input("values: Tvalue")
     .Input("others: Tothers")
+    .Input("step: int64")
     .Output("written: int64")
-    .TFDE_REDIS_ATTRS.Attr("Tothers: list({float, double, half, bfloat16}) >= 1")
+    .TFDE_REDIS_ATTRS.Attr("Tothers: list({float, double, half, bfloat16}) >= 0")
+    .Attr("step_script: string = ''")
     .Attr("other_dims: list(int)")
     .Attr("other_buckets: list(string)")
     .Attr("other_names: list(string)")

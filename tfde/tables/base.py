@@ -125,19 +125,23 @@ class Table:
         A missing key reads its row from `missing`; nothing is inserted."""
         raise NotImplementedError
 
-    def find_to_update(self, keys: tf.Tensor, missing: Missing) -> Tuple[tf.Tensor, tf.Tensor]:
+    def find_to_update(self, keys: tf.Tensor, missing: Missing, step=None) -> Tuple[tf.Tensor, tf.Tensor]:
         """find() for rows a write will be computed from (a training step's
         forward lookups and its read-modify-write of rows, optimizer slots
         and policy state): a backend that may serve find() from replicas,
         which lag, reads its primary here, so no update is computed from a
-        stale row.  The default is find()."""
+        stale row.  `step` (an int64 scalar, or None outside a training
+        step) is the step's number (tfde.variable.training_step): a store
+        whose writes may fail part-way (Redis) reads what a failed attempt of
+        this same step wrote as it was before, so the step run again applies
+        once (insert_with's `step`).  The default is find()."""
         return self.find(keys, missing)
 
     def insert(self, keys: tf.Tensor, values: tf.Tensor) -> Optional[tf.Operation]:
         """Upserts `values` ([n, dim]) under `keys`; the last duplicate wins."""
         raise NotImplementedError
 
-    def insert_with(self, keys: tf.Tensor, values: tf.Tensor, others: list) -> list:
+    def insert_with(self, keys: tf.Tensor, values: tf.Tensor, others: list, step=None) -> list:
         """Upserts `values` ([n, dim]) under `keys` here and, for each
         ``(table, table_values)`` pair of `others`, `table_values`
         ([n, table.dim] of table.value_dtype) under the same keys in `table`;
@@ -152,7 +156,9 @@ class Table:
         on each table of `others`): it keeps the contract for failures an
         insert reports before writing (bad shapes, dtypes), as the in-process
         tables do; a store that may fail part-way through a write (a server
-        lost or out of memory) must override it."""
+        lost or out of memory) must override it.  `step`: the training step
+        the write belongs to (see find_to_update), or None; the in-process
+        tables, whose step writes cannot fail part-way, ignore it."""
         ops = [self.insert(keys, values)]
         for table, table_values in others:
             ops.append(table.insert(keys, table_values))

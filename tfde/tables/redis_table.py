@@ -159,6 +159,53 @@ return (#ARGV - 3) / 3
 # which keeps the count, so a chunk retried after a lost reply removes nothing
 # more and answers the same count; ARGV: marker TTL in seconds, then the
 # fields.  A field given twice in a chunk counts once.
+# A training step's write of one bucket of a Variable's tables (TfdeRedisInsertGroup
+# with a step; backends/redis/ops.cc StepKey says why).  KEYS: per table its
+# bucket, undo hash, step stamp and write count; ARGV: the stamp, the key count
+# n, the n fields, then each table's n rows.  A stamp other than this step's
+# starts the undo hash afresh; the same step written again keeps the entries
+# its first attempt made (the rows as they were before the step; "" for a key
+# that was not stored).  Returns each table's write count.
+_STEP_LUA = r"""
+local stamp, n = ARGV[1], tonumber(ARGV[2])
+local counts = {}
+for t = 0, #KEYS / 4 - 1 do
+  local bucket, undo, mark, count = KEYS[4 * t + 1], KEYS[4 * t + 2], KEYS[4 * t + 3], KEYS[4 * t + 4]
+  local again = redis.call('GET', mark) == stamp
+  if not again then
+    redis.call('DEL', undo)
+    redis.call('SET', mark, stamp)
+  end
+  for s = 1, n, 512 do
+    local e = math.min(s + 511, n)
+    local fields = {}
+    for i = s, e do fields[#fields + 1] = ARGV[2 + i] end
+    local old = redis.call('HMGET', bucket, unpack(fields))
+    local kept = again and redis.call('HMGET', undo, unpack(fields)) or {}
+    local save, rows = {}, {}
+    for j = 1, #fields do
+      if not kept[j] then
+        save[#save + 1] = fields[j]
+        save[#save + 1] = old[j] or ''
+      end
+      rows[#rows + 1] = fields[j]
+      rows[#rows + 1] = ARGV[2 + n + t * n + s + j - 1]
+    end
+    if #save > 0 then redis.call('HSET', undo, unpack(save)) end
+    redis.call('HSET', bucket, unpack(rows))
+  end
+  counts[#counts + 1] = redis.call('INCR', count)
+end
+return counts
+"""
+
+_NO_STEP = -1  # the step input of the native ops outside a training step
+
+
+def _step_arg(step):
+    return tf.constant(_NO_STEP, tf.int64) if step is None else tf.cast(step, tf.int64)
+
+
 _REMOVE_LUA = r"""
 local done = redis.call('GET', KEYS[2])
 if done then return tonumber(done) end
@@ -291,14 +338,28 @@ def native_attrs(
     )
 
 
-def write_count_key(bucket: str) -> str:
-    """The Redis counter that every native insert into `bucket` increments
-    (backends/redis/ops.cc WriteCountKey, the same rule): in the bucket's
-    cluster slot, named outside the table's own keys.  A count that goes back tells lost writes apart
-    from a table that is merely behind (docs/redis.md, "What can be lost")."""
+def _beside(kind: str, bucket: str) -> str:
+    """A key of tfde's own beside `bucket`, in its cluster slot and named
+    outside the table's keys (backends/redis/ops.cc BesideBucket, the same
+    rule)."""
     open_ = bucket.find("{")
     close = bucket.find("}", open_ + 1) if open_ >= 0 else -1
-    return f"tfde-writes:{bucket}" if open_ >= 0 and close > open_ + 1 else f"tfde-writes:{{{bucket}}}"
+    return f"{kind}:{bucket}" if open_ >= 0 and close > open_ + 1 else f"{kind}:{{{bucket}}}"
+
+
+def write_count_key(bucket: str) -> str:
+    """The Redis counter that every native insert into `bucket` increments
+    (backends/redis/ops.cc WriteCountKey).  A count that goes back tells
+    lost writes apart from a table that is merely behind (docs/redis.md,
+    "What can be lost")."""
+    return _beside("tfde-writes", bucket)
+
+
+def step_keys(bucket: str) -> list:
+    """The step stamp and undo hash of `bucket` (backends/redis/ops.cc
+    StepKey, UndoKey): what makes a failed training step, run again, apply
+    once (docs/redis.md, "A step run again")."""
+    return [_beside("tfde-step", bucket), _beside("tfde-undo", bucket)]
 
 
 def _check_count_slots(name: str, buckets) -> None:
@@ -556,7 +617,12 @@ class RedisTable(Table, trackable_base.Trackable):
         self._call("open", lambda: _check_credentials(config, self._client))
         self._open_meta()
         self._watch()
-        self._keys = self._buckets + [write_count_key(b) for b in self._buckets] + [self._meta_key]
+        self._keys = (
+            self._buckets
+            + [write_count_key(b) for b in self._buckets]
+            + [k for b in self._buckets for k in step_keys(b)]
+            + [self._meta_key]
+        )
         self._call("open", lambda: [self._client.persist(k) for k in self._keys])
 
     def memory_bytes(self):
@@ -742,19 +808,22 @@ class RedisTable(Table, trackable_base.Trackable):
         master's writes."""
         return self._find(keys, missing, replicas=self.config.redis_read_access_slave)
 
-    def find_to_update(self, keys, missing):
+    def find_to_update(self, keys, missing, step=None):
         """find() from the master, whatever redis_read_access_slave says: a
         training step computes its writes from these rows, and a replica's
-        lagging row would silently undo the master's newer one."""
-        return self._find(keys, missing, replicas=False)
+        lagging row would silently undo the master's newer one.  `step` (the
+        training step's number, Table.find_to_update): buckets a failed
+        attempt of this very step wrote read as they were before it, so the
+        step run again computes what its first attempt did."""
+        return self._find(keys, missing, replicas=False, step=step)
 
-    def _find(self, keys, missing, replicas: bool):
+    def _find(self, keys, missing, replicas: bool, step=None):
         keys = as_keys(keys, self.key_dtype, self.name)
         defaults, init = native_missing_args(missing, self)
         return self._native_call(
             "find",
             lambda: self._ops.tfde_redis_find(
-                keys, defaults, dim=self.dim, read_from_replicas=replicas, **self._attrs, **init
+                keys, defaults, _step_arg(step), dim=self.dim, read_from_replicas=replicas, **self._attrs, **init
             ),
         )
 
@@ -765,7 +834,7 @@ class RedisTable(Table, trackable_base.Trackable):
             "insert", lambda: self._ops.tfde_redis_insert(keys, values, dim=self.dim, **self._attrs)
         )
 
-    def insert_with(self, keys, values, others) -> list:
+    def insert_with(self, keys, values, others, step=None) -> list:
         """Upserts `values` ([n, dim] value_dtype) under `keys` ([n]) here and,
         for each ``(table, table_values)`` of `others`, `table_values`
         ([n, table.dim] table.value_dtype) under the same keys there: a
@@ -780,10 +849,10 @@ class RedisTable(Table, trackable_base.Trackable):
         server (backends/redis/ops.cc).  Any other mix falls back to
         Table.insert_with (one insert per table)."""
         others = list(others)
-        if not others:
+        if not others and step is None:
             return [self.insert(keys, values)]
         if not all(self._shares_transactions_with(table) for table, _ in others):
-            return super().insert_with(keys, values, others)
+            return super().insert_with(keys, values, others, step)
         keys = as_keys(keys, self.key_dtype, self.name)
         rows = [as_rows(values, self.value_dtype, self.dim, self.name)]
         rows += [as_rows(v, table.value_dtype, table.dim, table.name) for table, v in others]
@@ -803,10 +872,12 @@ class RedisTable(Table, trackable_base.Trackable):
                     keys,
                     rows[0],
                     rows[1:],
+                    _step_arg(step),
                     dim=self.dim,
                     other_dims=[t.dim for t in others_tables],
                     other_buckets=[b for t in others_tables for b in t._buckets],
                     other_names=[t.name for t in others_tables],
+                    step_script=_STEP_LUA if step is not None else "",
                     **self._attrs,
                 ),
             )
@@ -956,7 +1027,7 @@ class RedisServingTable(Table):
     def find(self, keys, missing):
         keys = as_keys(keys, self.key_dtype, self.name)
         defaults, init = native_missing_args(missing, self)
-        return self._ops.tfde_redis_find(keys, defaults, dim=self.dim, **self._attrs, **init)
+        return self._ops.tfde_redis_find(keys, defaults, _step_arg(None), dim=self.dim, **self._attrs, **init)
 
     def _read_only(self, *args, **kwargs):
         raise ConfigError(
