@@ -143,6 +143,6 @@ def redis_tag(port=6379):
         yield tag
     finally:
         client = redis.Redis(port=port)
-        stale = [k for pattern in (f"{tag}*", f"tfde-writes:{tag}*") for k in client.scan_iter(match=pattern)]
+        stale = [k for pattern in (f"{tag}*", f"tfde-*:{tag}*") for k in client.scan_iter(match=pattern)]
         if stale:
             client.delete(*stale)

@@ -25,7 +25,7 @@ def tag():
     t = f"tfde-test-{uuid.uuid4().hex[:12]}"
     yield t
     client = redis.Redis()
-    keys = [k for pattern in (f"{t}:*", f"tfde-writes:{t}:*") for k in client.scan_iter(match=pattern)]
+    keys = [k for pattern in (f"{t}:*", f"tfde-*:{t}:*") for k in client.scan_iter(match=pattern)]
     if keys:
         client.delete(*keys)
 

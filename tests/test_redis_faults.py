@@ -7,6 +7,7 @@ rows read straight from the server) and every key with a row has all of its
 optimizer slots.  Timeouts are short (FAST), so the file runs in well under
 a minute."""
 
+import os
 import re
 import threading
 import time
@@ -32,7 +33,7 @@ def tag():
     t = f"tfde-faults-{uuid.uuid4().hex[:12]}"
     yield t
     client = redis.Redis()
-    keys = [k for pattern in (f"{t}:*", f"tfde-writes:{t}:*") for k in client.scan_iter(match=pattern)]
+    keys = [k for pattern in (f"{t}:*", f"tfde-*:{t}:*") for k in client.scan_iter(match=pattern)]
     if keys:
         client.delete(*keys)
 
@@ -683,8 +684,8 @@ def _two_tables(port, tag):
         variables = [user.step_buffer, item.step_buffer, dense]
         opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
 
-    def state():
-        keys = tf.range(30, dtype=tf.int64)
+    def state(n=30):
+        keys = tf.range(n, dtype=tf.int64)
         out = [dense.numpy()]
         for var in (user, item):
             out.append(var.lookup(keys).numpy())
@@ -735,3 +736,52 @@ def test_a_step_that_failed_part_way_and_is_run_again_applies_once(tag, at):
         got = state()
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_a_step_run_again_is_applied_once_while_another_process_writes_the_same_buckets(tag):
+    """The shared-store layout: two processes write their own keys of the
+    same buckets.  Here the first fails step 4 part-way (after its user
+    Variable's write), the second trains a step on its own keys in between,
+    and the first runs its step again: its keys end as in a run without the
+    second process.  Each process keeps its own step stamps and undo
+    entries (before, they were one key per bucket, and the second process's
+    write wiped the first one's undo entries)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    even = [(2 * u, 2 * i) for u, i in _batches()]
+    step, state = _two_tables(6379, f"{tag}-reference")
+    for users, items in even:
+        step(users, items)
+    want = state(60)
+    other = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import tensorflow as tf
+from test_redis_faults import _batches, _two_tables
+step, _ = _two_tables(6379, {tag!r})
+users, items = _batches()[0]
+step(2 * users + 1, 2 * items + 1)
+"""
+    with FaultProxy(6379) as proxy:
+        step, state = _two_tables(proxy.port, tag)
+        for users, items in even[:3]:
+            step(users, items)
+        before = proxy.requests
+        step(*even[3])
+        proxy.cut(at=int(0.8 * (proxy.requests - before)))  # after the user Variable's write
+        with pytest.raises(tf.errors.UnavailableError):
+            step(*even[4])
+        subprocess.run(
+            [sys.executable, "-c", other], check=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        )
+        proxy.heal()
+        for users, items in even[4:]:
+            step(users, items)
+        got = state(60)
+    mine = np.arange(0, 60, 2)  # the first process's keys (the second's are odd)
+    for n, (g, w) in enumerate(zip(got, want)):
+        if g.shape[0] == 60:
+            g, w = g[mine], w[mine]
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=f"state {n}")

@@ -135,10 +135,13 @@ std::string BesideBucket(const char* kind, const std::string& bucket) {
 std::string WriteCountKey(const std::string& bucket) { return BesideBucket("tfde-writes", bucket); }
 
 // Steps a replay finds undone (docs/redis.md, "A step run again").  A
-// training step's grouped write of bucket b stamps it ("tfde-step:<bucket>"
-// = "<this process's run id>:<step>") and keeps the rows it overwrote, and
-// which fields were absent, in "tfde-undo:<bucket>" (a hash: field -> the
-// old row, "" for a key that was not stored).  The same step written again
+// training step's grouped write of bucket b stamps it for this process
+// ("tfde-step:<run id>:<bucket>" = "<run id>:<step>") and keeps the rows it
+// overwrote, and which fields were absent, in "tfde-undo:<run id>:<bucket>"
+// (a hash: field -> the old row, "" for a key that was not stored).  The
+// keys are this process's own, so workers that write keys of one bucket (a
+// shared store: each its own keys) keep apart, and they expire a day after
+// their last write (kStepKeysTtlS).  The same step written again
 // (its replay after a failure) keeps the first undo entries.  A training
 // read of step s finds a bucket stamped with step s of this run as it was
 // before step s: its undo entries override what the bucket holds.  So a
@@ -146,8 +149,10 @@ std::string WriteCountKey(const std::string& bucket) { return BesideBucket("tfde
 // first attempt read, computes the same rows and writes them again: it is
 // applied once.  Other processes have other run ids: a stamp of another
 // process never matches.
-std::string StepKey(const std::string& bucket) { return BesideBucket("tfde-step", bucket); }
-std::string UndoKey(const std::string& bucket) { return BesideBucket("tfde-undo", bucket); }
+const std::string& RunId();
+std::string StepKey(const std::string& bucket) { return BesideBucket(("tfde-step:" + RunId()).c_str(), bucket); }
+std::string UndoKey(const std::string& bucket) { return BesideBucket(("tfde-undo:" + RunId()).c_str(), bucket); }
+constexpr int kStepKeysTtlS = 86400;  // a stamp and its undo entries outlive their step by a day at most
 const std::string& RunId() {
   static const std::string id = [] {
     std::random_device source;
@@ -763,9 +768,11 @@ class RedisInsertGroupOp : public RedisOpBase {
     // A training step's writes stamp and keep undo entries (StepKey, UndoKey)
     // through step_script: per bucket one EVAL of all tables, whose keys are
     // (bucket, undo, stamp, count) per table and whose arguments are the
-    // stamp, the key count, the fields, then each table's rows.
+    // stamp, the key count, the stamp's TTL, the fields, then each table's
+    // rows.
     const std::string stamp = step >= 0 ? StepStamp(step) : "";
     const std::string num_keys = std::to_string(4 * tables);
+    const std::string ttl = std::to_string(kStepKeysTtlS);
     std::deque<std::string> sizes;  // the key counts of the EVALs (the commands hold views)
 
     // commands: per transaction MULTI, its HSETs, EXEC.  role[c] is -1 for a
@@ -800,6 +807,7 @@ class RedisInsertGroupOp : public RedisOpBase {
         sizes.push_back(std::to_string(keyed.by_bucket[b].size()));
         c.args.push_back(stamp);
         c.args.push_back(sizes.back());
+        c.args.push_back(ttl);
         for (int64_t i : keyed.by_bucket[b]) c.args.push_back(keyed.fields[i]);
         for (size_t t = 0; t < tables; ++t)
           for (int64_t i : keyed.by_bucket[b]) c.args.emplace_back(rows[t] + i * row_bytes[t], row_bytes[t]);

@@ -161,25 +161,26 @@ return (#ARGV - 3) / 3
 # fields.  A field given twice in a chunk counts once.
 # A training step's write of one bucket of a Variable's tables (TfdeRedisInsertGroup
 # with a step; backends/redis/ops.cc StepKey says why).  KEYS: per table its
-# bucket, undo hash, step stamp and write count; ARGV: the stamp, the key count
-# n, the n fields, then each table's n rows.  A stamp other than this step's
-# starts the undo hash afresh; the same step written again keeps the entries
-# its first attempt made (the rows as they were before the step; "" for a key
-# that was not stored).  Returns each table's write count.
+# bucket, this process's undo hash and step stamp, and the write count; ARGV:
+# the stamp, the key count n, the stamp's TTL in seconds, the n fields, then
+# each table's n rows.  A stamp other than this step's starts the undo hash
+# afresh; the same step written again keeps the entries its first attempt
+# made (the rows as they were before the step; "" for a key that was not
+# stored).  Returns each table's write count.
 _STEP_LUA = r"""
-local stamp, n = ARGV[1], tonumber(ARGV[2])
+local stamp, n, ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local counts = {}
 for t = 0, #KEYS / 4 - 1 do
   local bucket, undo, mark, count = KEYS[4 * t + 1], KEYS[4 * t + 2], KEYS[4 * t + 3], KEYS[4 * t + 4]
   local again = redis.call('GET', mark) == stamp
   if not again then
     redis.call('DEL', undo)
-    redis.call('SET', mark, stamp)
+    redis.call('SET', mark, stamp, 'EX', ttl)
   end
   for s = 1, n, 512 do
     local e = math.min(s + 511, n)
     local fields = {}
-    for i = s, e do fields[#fields + 1] = ARGV[2 + i] end
+    for i = s, e do fields[#fields + 1] = ARGV[3 + i] end
     local old = redis.call('HMGET', bucket, unpack(fields))
     local kept = again and redis.call('HMGET', undo, unpack(fields)) or {}
     local save, rows = {}, {}
@@ -189,11 +190,12 @@ for t = 0, #KEYS / 4 - 1 do
         save[#save + 1] = old[j] or ''
       end
       rows[#rows + 1] = fields[j]
-      rows[#rows + 1] = ARGV[2 + n + t * n + s + j - 1]
+      rows[#rows + 1] = ARGV[3 + n + t * n + s + j - 1]
     end
     if #save > 0 then redis.call('HSET', undo, unpack(save)) end
     redis.call('HSET', bucket, unpack(rows))
   end
+  redis.call('EXPIRE', undo, ttl)
   counts[#counts + 1] = redis.call('INCR', count)
 end
 return counts
@@ -353,13 +355,6 @@ def write_count_key(bucket: str) -> str:
     lost writes apart from a table that is merely behind (docs/redis.md,
     "What can be lost")."""
     return _beside("tfde-writes", bucket)
-
-
-def step_keys(bucket: str) -> list:
-    """The step stamp and undo hash of `bucket` (backends/redis/ops.cc
-    StepKey, UndoKey): what makes a failed training step, run again, apply
-    once (docs/redis.md, "A step run again")."""
-    return [_beside("tfde-step", bucket), _beside("tfde-undo", bucket)]
 
 
 def _check_count_slots(name: str, buckets) -> None:
@@ -617,12 +612,7 @@ class RedisTable(Table, trackable_base.Trackable):
         self._call("open", lambda: _check_credentials(config, self._client))
         self._open_meta()
         self._watch()
-        self._keys = (
-            self._buckets
-            + [write_count_key(b) for b in self._buckets]
-            + [k for b in self._buckets for k in step_keys(b)]
-            + [self._meta_key]
-        )
+        self._keys = self._buckets + [write_count_key(b) for b in self._buckets] + [self._meta_key]
         self._call("open", lambda: [self._client.persist(k) for k in self._keys])
 
     def memory_bytes(self):
