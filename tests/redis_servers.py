@@ -140,27 +140,33 @@ def _cluster_node(work: str) -> int:
     return _on_a_free_port(start, pick=cluster_port)
 
 
+def _create_cluster(ports, replicas: int) -> None:
+    """Makes the cluster nodes on `ports` one cluster (`replicas` per
+    master), once every slot is served."""
+    subprocess.run(
+        [shutil.which("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+         "--cluster-replicas", str(replicas), "--cluster-yes"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    _wait(lambda: all(_cluster_ok(p) for p in ports), "cluster_state:ok")
+
+
+def _master_of(port: int, key: str) -> int:
+    """Port of the master serving `key`'s slot, as the node on `port` says."""
+    slot = redis.Redis(port=port).execute_command("CLUSTER KEYSLOT", key)
+    for entry in redis.Redis(port=port).execute_command("CLUSTER SLOTS"):
+        if entry[0] <= slot <= entry[1]:
+            return int(entry[2][1])
+    raise RuntimeError(f"no master serves slot {slot}")
+
+
 def cluster():
     """Ports of a 3-master cluster (no replicas), slots all assigned."""
     if "cluster" not in _cache:
         work = tempfile.mkdtemp(prefix="tfde-cluster-")
 
         ports = [_cluster_node(work) for _ in range(3)]
-        subprocess.run(
-            [
-                shutil.which("redis-cli"),
-                "--cluster",
-                "create",
-                *[f"127.0.0.1:{p}" for p in ports],
-                "--cluster-replicas",
-                "0",
-                "--cluster-yes",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        _wait(lambda: all(_cluster_ok(p) for p in ports), "cluster_state:ok")
+        _create_cluster(ports, 0)
         _cache["cluster"] = ports
     return _cache["cluster"]
 
@@ -335,12 +341,7 @@ class FailoverCluster:
             self.procs[p] = proc
 
         self.ports = [_on_a_free_port(start, pick=cluster_port) for _ in range(6)]
-        subprocess.run(
-            [shutil.which("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
-             "--cluster-replicas", "1", "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
-        _wait(lambda: all(_cluster_ok(p) for p in self.ports), "cluster_state:ok")
+        _create_cluster(self.ports, 1)
         _wait(lambda: len(self._replicas()) == 3, "every master's replica")
 
     def _replicas(self):
@@ -348,11 +349,7 @@ class FailoverCluster:
 
     def master_of(self, key: str) -> int:
         """Port of the master serving `key`'s slot."""
-        slot = redis.Redis(port=self.ports[0]).execute_command("CLUSTER KEYSLOT", key)
-        for entry in redis.Redis(port=self.ports[0]).execute_command("CLUSTER SLOTS"):
-            if entry[0] <= slot <= entry[1]:
-                return int(entry[2][1])
-        raise RuntimeError(f"no master serves slot {slot}")
+        return _master_of(self.ports[0], key)
 
     def kill(self, port: int) -> None:
         """kill -9 the master on `port`, once its replica holds everything it wrote."""
@@ -370,12 +367,7 @@ class MigratingCluster:
     def __init__(self):
         work = tempfile.mkdtemp(prefix="tfde-migrating-cluster-")
         self.ports = [_cluster_node(work) for _ in range(3)]
-        subprocess.run(
-            [shutil.which("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
-             "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
-        _wait(lambda: all(_cluster_ok(p) for p in self.ports), "cluster_state:ok")
+        _create_cluster(self.ports, 0)
 
     def _node(self, port: int):
         return redis.Redis(port=port)
@@ -384,11 +376,7 @@ class MigratingCluster:
         return self._node(port).execute_command("CLUSTER MYID").decode()
 
     def master_of(self, key: str) -> int:
-        slot = self._node(self.ports[0]).execute_command("CLUSTER KEYSLOT", key)
-        for entry in self._node(self.ports[0]).execute_command("CLUSTER SLOTS"):
-            if entry[0] <= slot <= entry[1]:
-                return int(entry[2][1])
-        raise RuntimeError(f"no master serves slot {slot}")
+        return _master_of(self.ports[0], key)
 
     def begin(self, key: str) -> tuple:
         """Opens the migration of `key`'s slot to another master (IMPORTING

@@ -221,8 +221,14 @@ def test_model_fit_through_redis_matches_cuckoo(tag):
 
 
 def _sgd_steps(var, steps, on_step=None):
-    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
-    rng = np.random.default_rng(5)
+    _train(var, steps, tf.keras.optimizers.SGD(0.1), 5, on_step)
+
+
+def _train(var, steps, optimizer, seed, on_step=None):
+    """`steps` steps of `optimizer` on batches of 16 of 40 keys, calling
+    on_step(step) before each."""
+    opt = tfde.DynamicEmbeddingOptimizer(optimizer)
+    rng = np.random.default_rng(seed)
     for step in range(steps):
         if on_step is not None:
             on_step(step)
@@ -849,15 +855,7 @@ def test_write_replicas_is_validated():
 def _adam_steps(var, steps, on_step=None):
     """`steps` Adam steps on 40 keys (rows, m and v: three tables written in
     one transaction per bucket)."""
-    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05))
-    rng = np.random.default_rng(7)
-    for step in range(steps):
-        if on_step is not None:
-            on_step(step)
-        ids = tf.constant(rng.integers(0, 40, 16), tf.int64)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tfde.embedding_lookup(var, ids, training=True) ** 2)
-        opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+    _train(var, steps, tf.keras.optimizers.Adam(0.05), 7, on_step)
 
 
 def _slot_values(var):

@@ -696,6 +696,18 @@ def _two_tables(port, tag):
     return step, state
 
 
+def _fail_step_at(proxy, step, batches, at):
+    """Trains batches[:4] through `proxy`, then fails the fifth step with
+    the server cut off at the point `at` (0..1) of a step's commands."""
+    for users, items in batches[:3]:
+        step(users, items)
+    before = proxy.requests
+    step(*batches[3])
+    proxy.cut(at=int(at * (proxy.requests - before)))
+    with pytest.raises(tf.errors.UnavailableError):
+        step(*batches[4])
+
+
 def _batches(steps=7):
     rng = np.random.default_rng(11)
     return [(tf.constant(rng.integers(0, 30, 16), tf.int64), tf.constant(rng.integers(0, 30, 16), tf.int64))
@@ -721,14 +733,7 @@ def test_a_step_that_failed_part_way_and_is_run_again_applies_once(tag, at):
     want = state()
     with FaultProxy(6379) as proxy:
         step, state = _two_tables(proxy.port, tag)
-        for users, items in batches[:3]:
-            step(users, items)
-        before = proxy.requests
-        step(*batches[3])
-        per_step = proxy.requests - before
-        proxy.cut(at=int(at * per_step))
-        with pytest.raises(tf.errors.UnavailableError):
-            step(*batches[4])
+        _fail_step_at(proxy, step, batches, at)
         proxy.heal()
         proxy.clear()
         for users, items in batches[4:]:
@@ -766,13 +771,7 @@ step(2 * users + 1, 2 * items + 1)
 """
     with FaultProxy(6379) as proxy:
         step, state = _two_tables(proxy.port, tag)
-        for users, items in even[:3]:
-            step(users, items)
-        before = proxy.requests
-        step(*even[3])
-        proxy.cut(at=int(0.8 * (proxy.requests - before)))  # after the user Variable's write
-        with pytest.raises(tf.errors.UnavailableError):
-            step(*even[4])
+        _fail_step_at(proxy, step, even, 0.8)  # after the user Variable's write
         subprocess.run(
             [sys.executable, "-c", other], check=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
         )
