@@ -65,7 +65,7 @@ def _module_name(name: str) -> str:
 _STEPS = []  # this process's training step counter, made on first use (training_step)
 
 
-def training_step():
+def training_step() -> Optional[tf.Tensor]:
     """This process's training step number: an int64 scalar that every
     training step of a DynamicEmbeddingOptimizer advances once all of its
     table writes succeeded (next_training_step), so a step that failed and
@@ -82,7 +82,7 @@ def training_step():
     return _STEPS[0].read_value()
 
 
-def next_training_step():
+def next_training_step() -> tf.Operation:
     """Advances training_step() (the optimizer, after a step's writes)."""
     training_step()
     return _STEPS[0].assign_add(1) if _STEPS else tf.no_op()

@@ -125,7 +125,9 @@ class Table:
         A missing key reads its row from `missing`; nothing is inserted."""
         raise NotImplementedError
 
-    def find_to_update(self, keys: tf.Tensor, missing: Missing, step=None) -> Tuple[tf.Tensor, tf.Tensor]:
+    def find_to_update(
+        self, keys: tf.Tensor, missing: Missing, step: Optional[tf.Tensor] = None
+    ) -> Tuple[tf.Tensor, tf.Tensor]:
         """find() for rows a write will be computed from (a training step's
         forward lookups and its read-modify-write of rows, optimizer slots
         and policy state): a backend that may serve find() from replicas,
@@ -141,7 +143,7 @@ class Table:
         """Upserts `values` ([n, dim]) under `keys`; the last duplicate wins."""
         raise NotImplementedError
 
-    def insert_with(self, keys: tf.Tensor, values: tf.Tensor, others: list, step=None) -> list:
+    def insert_with(self, keys: tf.Tensor, values: tf.Tensor, others: list, step: Optional[tf.Tensor] = None) -> list:
         """Upserts `values` ([n, dim]) under `keys` here and, for each
         ``(table, table_values)`` pair of `others`, `table_values`
         ([n, table.dim] of table.value_dtype) under the same keys in `table`;

@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Union
+from typing import Optional, Union
 
 import msgpack
 import numpy as np
@@ -798,7 +798,7 @@ class RedisTable(Table, trackable_base.Trackable):
         master's writes."""
         return self._find(keys, missing, replicas=self.config.redis_read_access_slave)
 
-    def find_to_update(self, keys, missing, step=None):
+    def find_to_update(self, keys, missing, step: Optional[tf.Tensor] = None):
         """find() from the master, whatever redis_read_access_slave says: a
         training step computes its writes from these rows, and a replica's
         lagging row would silently undo the master's newer one.  `step` (the
@@ -824,7 +824,7 @@ class RedisTable(Table, trackable_base.Trackable):
             "insert", lambda: self._ops.tfde_redis_insert(keys, values, dim=self.dim, **self._attrs)
         )
 
-    def insert_with(self, keys, values, others, step=None) -> list:
+    def insert_with(self, keys, values, others, step: Optional[tf.Tensor] = None) -> list:
         """Upserts `values` ([n, dim] value_dtype) under `keys` ([n]) here and,
         for each ``(table, table_values)`` of `others`, `table_values`
         ([n, table.dim] table.value_dtype) under the same keys there: a
