@@ -29,11 +29,14 @@ _SOURCES = (
     "cuckoo/row_copy.h",
     "cuckoo/cuckoo_table.h",
     "cuckoo/op_support.h",
+    "cuckoo/table_resource.h",
+    "cuckoo/rules.h",
     "cuckoo/ops.cc",
+    "cuckoo/step_ops.cc",
     "redis/resp_client.h",
     "redis/ops.cc",
 )
-_UNITS = ("cuckoo/ops.cc", "redis/ops.cc")  # compiled into the one library
+_UNITS = ("cuckoo/ops.cc", "cuckoo/step_ops.cc", "redis/ops.cc")  # compiled into the one library
 _lock = threading.Lock()
 _ops = None
 _loaded_path = None  # the file _ops was loaded from (see loaded_path)

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfde.errors import ConfigError, ShapeError
 from tfde.types import KeysLike
-from tfde.variable import Variable, in_tf_data_function
+from tfde.variable import Variable, in_tf_data_function, trainable_lookups_of
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -53,9 +53,9 @@ def _check_var(var):
 
 def _rows_for_unique(var: Variable, flat_ids, training):
     """(rows gathered per flat id [n, dim])."""
-    unique, positions = tf.unique(flat_ids, out_idx=tf.int32)
     if _use_buffer(var, training):
-        return var._trainable_lookup(unique, positions)
+        return trainable_lookups_of([(var, flat_ids)])[0]
+    unique, positions = tf.unique(flat_ids, out_idx=tf.int32)
     return tf.gather(var._read_unique(unique), positions)
 
 

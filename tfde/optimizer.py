@@ -13,6 +13,11 @@ behave as before.  On ``apply_gradients`` it splits the pairs:
   written back to the Variable's store, and the step buffer is emptied;
 * every other pair goes to the wrapped optimizer unchanged.
 
+The rows' update runs in one native op per layer where the Variables and
+the step allow it (tfde/step_kernels.py: the fused step), else through the
+TensorFlow ops below (the Python path, the reference); both store the same
+rows and slots.
+
 Rows whose gradient contains NaN or Inf are left unchanged, slots included
 (the rest of the batch is applied), so a bad batch never corrupts a table.
 Supported: SGD (momentum, nesterov), Adagrad, Adam (amsgrad), AdamW, RMSprop
@@ -28,12 +33,13 @@ from typing import Any
 import tensorflow as tf
 
 from tfde import exchange as _exchange
+from tfde import step_kernels
 from tfde.errors import ConfigError, UnsupportedOptimizerError
 from tfde.flavour import flavour_fix, keras_flavour_name
 from tfde.optimizer_rules import RULES, hp
 from tfde.optimizer_rules import rule_for as _rule_for
 from tfde.saving import registered as _registered
-from tfde.variable import is_step_buffer, next_training_step
+from tfde.variable import exclusively, is_step_buffer, next_training_step
 
 
 def _check_options(opt):
@@ -152,23 +158,44 @@ class DynamicEmbeddingMixin:
         rescaled by global_clipnorm, and the ops the dense update must follow)."""
         sparse = [(g, v) for g, v in grads_and_vars if is_step_buffer(v)]
         dense = [(g, v) for g, v in grads_and_vars if not is_step_buffer(v)]
-        prepared = [self._tfde_prepare(g, v._tfde_variable) for g, v in sparse]
-        prepared = [p for p in prepared if p is not None]
+        rule = self._tfde_rule
+        fused = step_kernels.step_qualifies(self, rule)
+        ex = _exchange.active()
+        # Alone, a qualifying Variable's buffer gradient goes to the fused
+        # kernel as it is: the kernel sums it per key (tfde/step_kernels.py).
+        direct = [] if ex.collective or not fused else [(g, v._tfde_variable) for g, v in sparse if g is not None]
+        direct = [(g, var) for g, var in direct if step_kernels.qualifies(var)]
+        taken = {id(var) for _, var in direct}
+        prepared = self._tfde_prepare_all(
+            [(g, v._tfde_variable) for g, v in sparse if id(v._tfde_variable) not in taken]
+        )
         scales = self._tfde_global_clip_scale(prepared, dense)
         if scales is not None:
             rows_scale, dense_scale = scales
             for p in prepared:
                 p.grads = p.grads * tf.cast(rows_scale, p.grads.dtype)
             dense = [(None if g is None else _scale_grad(g, dense_scale), v) for g, v in dense]
-        # The step buffers are emptied once their keys and gradients are
-        # read, before the writes: a step whose writes fail (the error leaves
-        # apply_gradients; nothing of a key was written, see _tfde_apply_rows)
-        # leaves them empty too, so the next step, or the same batch again,
-        # starts clean.
-        with tf.control_dependencies([t for p in prepared for t in (p.keys, p.grads)]):
+        parts = [self._tfde_direct_part(g, var) for g, var in direct]
+        python = []
+        for p in prepared:
+            if fused and step_kernels.qualifies(p.var):
+                indices = tf.range(tf.size(p.keys, out_type=tf.int32))
+                parts.append(step_kernels.Part(p.var, p.keys, indices, p.grads, None, self._tfde_decays(p.var)))
+            else:
+                python.append(p)
+        # The step buffers are emptied once their keys, gradients and rows
+        # are read, before the writes: a step whose writes fail (the error
+        # leaves apply_gradients; nothing of a key was written, see
+        # _tfde_python_write) leaves them empty too, so the next step, or the
+        # same batch again, starts clean.
+        read = [t for p in python for t in (p.keys, p.grads)]
+        read += [
+            t for p in parts for t in (p.keys, p.indices, p.values) + ((p.defaults,) if p.defaults is not None else ())
+        ]
+        with tf.control_dependencies(read):
             resets = [v._tfde_variable._reset_step_buffer() for _, v in sparse]
         with tf.control_dependencies(resets):
-            updates = [self._tfde_apply_rows(p) for p in prepared]
+            updates = self._tfde_write(rule, parts, [self._tfde_python_write(p) for p in python])
         # The step is done once every write succeeded: a step that failed
         # keeps its number, so running it again reads what its first attempt
         # read (Table.find_to_update's step).
@@ -176,30 +203,88 @@ class DynamicEmbeddingMixin:
             updates.append(next_training_step())
         return dense, updates
 
-    # ---------------------------------------------------------------- internals
-
-    def _tfde_prepare(self, grad, var):
-        ex = _exchange.active()
-        if grad is None:
-            if not ex.collective:
-                return None
-            # Another worker may have a gradient for this Variable: take part
-            # in the all-reduce with zeros.
-            grad = tf.zeros([var._step_size(), var.dim], var.value_dtype)
+    def _tfde_direct_part(self, grad, var):
+        """The fused step's Part of a Variable trained alone: its step
+        buffer's keys and rows, and the buffer's gradient as it is."""
+        compute = tf.float64 if var.value_dtype == tf.float64 else tf.float32
         if isinstance(grad, tf.IndexedSlices):
             indices, values = grad.indices, grad.values
         else:
             values = tf.convert_to_tensor(grad)
             indices = tf.range(tf.shape(values)[0])
-        compute = tf.float32 if var.value_dtype in (tf.float16, tf.bfloat16) else var.value_dtype
-        values = tf.cast(values, compute)
-        if ex.collective and hp(self, "global_clipnorm", None) is not None:
+        values = tf.ensure_shape(tf.cast(values, compute), [None, var.dim])
+        keys, rows = var._keys_buffer.read_value(), var._rows_buffer.read_value()
+        return step_kernels.Part(var, keys, tf.cast(indices, tf.int32), values, rows, self._tfde_decays(var))
+
+    def _tfde_decays(self, var) -> bool:
+        return hp(self, "weight_decay", None) is not None and self._tfde_use_weight_decay(var)
+
+    def _tfde_write(self, rule, parts, python_jobs):
+        """Writes the step: the fused parts (one op per group of
+        step_kernels.group_key) and the Python path's jobs, each write
+        section entered once with everything it guards (Variables of one
+        DistributedEmbedding share one section).  Returns the ops."""
+        by_section = {}
+        for var, job in python_jobs:
+            by_section.setdefault(id(var._write_section), (var._write_section, []))[1].append(job)
+        groups = {}
+        for p in parts:
+            for name, init in rule.slots(self):
+                p.var.slot(name, init)  # made now, outside the write section
+            groups.setdefault(step_kernels.group_key(p), []).append(p)
+        lr = current_learning_rate(self)
+        for group in groups.values():
+            section = group[0].var._write_section
+
+            def fused(keys, group=group):
+                written = step_kernels.apply(self, rule, group, lr, keys)
+                return tf.add_n(written), written
+
+            by_section.setdefault(id(section), (section, []))[1].append(([p.keys for p in group], fused))
+        updates = []
+        for section, jobs in by_section.values():
+            updates.extend(exclusively(section, jobs))
+        return updates
+
+    # ---------------------------------------------------------------- internals
+
+    def _tfde_prepare_all(self, pairs):
+        """_SparseGrads of the (gradient, Variable) pairs: every worker's
+        gradients reach each key's owner, for all Variables in one call of
+        the exchange (Exchange.owner_gradients_many: its collectives do not
+        grow with the number of Variables), then scaled and clipped."""
+        ex = _exchange.active()
+        if ex.collective and pairs and hp(self, "global_clipnorm", None) is not None:
             raise UnsupportedOptimizerError(
                 "global_clipnorm is not supported in distributed training with tfde Variables yet; use "
                 "clipnorm or clipvalue"
             )
-        # Every worker's gradient reaches the owner of each key (tfde/exchange.py).
-        unique, summed = ex.owner_gradients(var._keys_buffer.read_value(), indices, values)
+        taken, parts = [], []
+        for grad, var in pairs:
+            if grad is None:
+                if not ex.collective:
+                    continue
+                # Another worker may have a gradient for this Variable: take
+                # part in the exchange with zeros.
+                grad = tf.zeros([var._step_size(), var.dim], var.value_dtype)
+            if isinstance(grad, tf.IndexedSlices):
+                indices, values = grad.indices, grad.values
+            else:
+                values = tf.convert_to_tensor(grad)
+                indices = tf.range(tf.shape(values)[0])
+            compute = tf.float32 if var.value_dtype in (tf.float16, tf.bfloat16) else var.value_dtype
+            values = tf.ensure_shape(tf.cast(values, compute), [None, var.dim])
+            taken.append(var)
+            parts.append(_exchange.Gradient(var._keys_buffer.read_value(), indices, values, var.placement))
+        if not parts:
+            return []
+        return [self._tfde_finish(var, *owned) for var, owned in zip(taken, ex.owner_gradients_many(parts))]
+
+    def _tfde_finish(self, var, unique, summed):
+        """The _SparseGrad of `var` from the keys it owns and their summed
+        gradients: the engine's scale, loss scaling, clipping."""
+        ex = _exchange.active()
+        compute = summed.dtype
         factor = ex.gradient_scale(self)
         if factor != 1.0:
             summed = summed * tf.cast(factor, compute)
@@ -210,7 +295,7 @@ class DynamicEmbeddingMixin:
         if clipnorm is not None or clipvalue is not None:
             # Rows whose gradient holds NaN or Inf are skipped (see the module
             # docstring): so clipping measures, and changes, the finite rows
-            # only, and leaves the others non-finite for _tfde_apply_rows to
+            # only, and leaves the others non-finite for _tfde_python_write to
             # skip.  (One NaN row would make the norm NaN; tf.clip_by_norm
             # then passes every row through unclipped, and clip_by_value
             # would turn an Inf row into a finite, trained one.)
@@ -227,7 +312,7 @@ class DynamicEmbeddingMixin:
         """(scale of the rows' gradients, scale of the dense gradients) for
         global_clipnorm, or None.  The global norm is taken over the finite
         rows of the tfde gradients (non-finite rows are skipped, see
-        _tfde_prepare) and over the dense gradients.  A non-finite dense
+        _tfde_finish) and over the dense gradients.  A non-finite dense
         gradient makes the dense scale NaN, as Keras's own clipping does
         (the dense part keeps Keras's behaviour); the rows are then scaled
         by the norm of the finite gradients, dense ones included, and still
@@ -252,7 +337,10 @@ class DynamicEmbeddingMixin:
             return (scale(rows_total),) * 2
         return scale(rows_total + tf.add_n(finite_dense)), scale(rows_total + tf.add_n(dense_sq))
 
-    def _tfde_apply_rows(self, p: _SparseGrad):
+    def _tfde_python_write(self, p: _SparseGrad):
+        """(Variable, write-section job) of the Python path: the new rows and
+        slots of `p` are computed here, outside the section; the job writes
+        them (tfde.variable.exclusively)."""
         var, rule = p.var, self._tfde_rule
         # One read of the step's rows serves the admission decision (which
         # keys are stored) and the update.
@@ -276,12 +364,13 @@ class DynamicEmbeddingMixin:
         new_slots = {name: tf.cast(value, var.value_dtype) for name, value in new_slots.items()}
         step = tf.identity(self.iterations)
 
-        def write(keys):
+        def write(ordered_keys):
             # A key's row, optimizer slots and policy state are one write per
             # shard (Variable._write_step: Table.insert_with), so a failed
             # step leaves every key with all of them or none, and it is made
             # in the Variable's write section, so a concurrent removal
             # (restrict) sees a key in all of its tables or in none.
+            (keys,) = ordered_keys
             values = {slot_vars[name]: value for name, value in new_slots.items()}
             values.update(var._step_state(keys, step))
             ops = var._write_step(keys, new_rows, values)
@@ -289,7 +378,7 @@ class DynamicEmbeddingMixin:
                 ops.extend(var._after_update(keys, step))
             return tf.size(keys), ops
 
-        return var._exclusively(keys, write)
+        return var, ([keys], write)
 
     def _tfde_use_weight_decay(self, var) -> bool:
         try:

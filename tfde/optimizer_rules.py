@@ -114,16 +114,27 @@ def _ftrl_slots(opt):
     return (("accumulator", float(hp(opt, "initial_accumulator_value", 0.1))), ("linear", 0.0))
 
 
+def ftrl_power(opt) -> Callable:
+    """x -> x ** -learning_rate_power: a square root for the default power
+    of -0.5 (correctly rounded, as the fused step's C++ computes it too;
+    TensorFlow's pow is an approximation that differs in the last bit for
+    a quarter of the inputs), else tf.pow."""
+    power = hp(opt, "learning_rate_power", -0.5)
+    if not isinstance(power, tf.Tensor) and float(power) == -0.5:
+        return tf.sqrt
+    return lambda x: tf.pow(x, -_f(power, x.dtype))
+
+
 def _ftrl(opt, w, g, s, lr, t):
-    lr_power = _f(hp(opt, "learning_rate_power", -0.5), w.dtype)
+    power = ftrl_power(opt)
     l1 = _f(hp(opt, "l1_regularization_strength", 0.0), w.dtype)
     l2 = _f(hp(opt, "l2_regularization_strength", 0.0), w.dtype) + _f(hp(opt, "beta", 0.0), w.dtype) / (2.0 * lr)
     shrink = _f(hp(opt, "l2_shrinkage_regularization_strength", 0.0), w.dtype)
     acc = s["accumulator"]
     grad_to_use = g + 2 * shrink * w
     new_acc = acc + g * g
-    linear = s["linear"] + grad_to_use - (tf.pow(new_acc, -lr_power) - tf.pow(acc, -lr_power)) / lr * w
-    quadratic = tf.pow(new_acc, -lr_power) / lr + 2 * l2
+    linear = s["linear"] + grad_to_use - (power(new_acc) - power(acc)) / lr * w
+    quadratic = power(new_acc) / lr + 2 * l2
     w_new = (tf.clip_by_value(linear, -l1, l1) - linear) / quadratic
     return w_new, {"accumulator": new_acc, "linear": linear}
 

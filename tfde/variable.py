@@ -41,6 +41,7 @@ from tfde.changes import ChangeLog
 from tfde.errors import ConfigError, ShapeError
 from tfde.hashing import shard_index
 from tfde.local import local_variable
+from tfde.step_kernels import fused_lookup, lookup_qualifies
 from tfde.tables.base import (
     DEFAULT_EXPORT_CHUNK_ROWS,
     Table,
@@ -111,6 +112,11 @@ class Variable(tf.Module):
       track_changes: record which keys training writes and which are
         removed, for incremental exports (tfde.changes,
         tfde.saving.export_changes).
+      placement: which worker of a distributed job owns each key
+        (tfde.exchange.Placement): by default every worker owns the keys
+        the stable hash routes to it (tfde.exchange.ROWS);
+        tfde.exchange.OnWorker(w) keeps the whole Variable on worker w
+        (docs/distributed.md, "Placement").
 
     Example:
       >>> v = tfde.Variable("ids", dim=4, initializer=0.0)
@@ -138,6 +144,7 @@ class Variable(tf.Module):
         admission_filter: Optional[Any] = None,
         trainable: bool = True,
         track_changes: bool = False,
+        placement: Optional[_exchange.Placement] = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"a Variable needs a non-empty string name, got {name!r}")
@@ -155,6 +162,14 @@ class Variable(tf.Module):
         if not isinstance(self.table_creator, TableCreator):
             raise ConfigError(f"table_creator must be a tfde TableCreator, got {type(self.table_creator).__name__}")
         self.trainable = bool(trainable)
+        if placement is None:
+            placement = _exchange.ROWS
+        if not isinstance(placement, _exchange.Placement):
+            raise ConfigError(
+                f"placement must be a tfde.exchange.Placement (tfde.exchange.ROWS or tfde.exchange.OnWorker(w)), "
+                f"got {placement!r}"
+            )
+        self.placement = placement
         # The tf.distribute strategy in scope at creation: between-step work
         # (restriction) finds its workers through it even outside the scope.
         self._strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
@@ -182,15 +197,10 @@ class Variable(tf.Module):
         self.admission_filter = admission_filter
         if admission_filter is not None:
             admission_filter.bind(self)
-        with tf.init_scope():
-            # Held by a training step while it writes rows, slots and policy
-            # state, and by removals: see _exclusively.  The shared_name is
-            # unique per Variable object: unnamed critical sections made in
-            # eager mode all share one mutex, and two of them in one step
-            # deadlock (the second lock can be taken first).
-            self._write_section = tf.CriticalSection(
-                name=f"{self.name}_writes", shared_name=f"tfde_writes_{next(_SECTION_IDS)}_{self.name}"
-            )
+        # Held by a training step while it writes rows, slots and policy
+        # state, and by removals (see exclusively); a layer of many tables
+        # may give all of them one (DistributedEmbedding).
+        self._write_section = write_section(self.name)
         self.changes = None
         if track_changes:
             self.changes = ChangeLog(self)
@@ -452,27 +462,9 @@ class Variable(tf.Module):
 
     def _exclusively(self, keys, fn):
         """Runs fn(keys) inside this Variable's write section; returns its
-        result.  fn returns (result tensor, list of its write ops) and must
-        write through the `keys` it is given: they reach it through a
-        stateful identity (TfdeOrdered) made after the section's lock, so
-        every write depends on the lock by data, which graph optimizers keep
-        (they drop control edges they judge redundant; measured: a policy
-        write escaped the section under Grappler's arithmetic optimizer).
-        The section is released once every write and the result are done.
-        Work whose inputs are computed outside fn (new rows, scores) runs
-        before the lock is taken, so it is held only for the writes.  One
-        graph must not enter the same Variable's section twice (TF orders
-        the releases in program order but may take the second lock first,
-        a deadlock): the optimizer writes each Variable once per step, and
-        removal runs eagerly between or beside steps."""
-        ordered = _native.load().tfde_ordered
-
-        def body():
-            result, writes = fn(ordered(keys))
-            with tf.control_dependencies(writes):
-                return ordered(result)
-
-        return self._write_section.execute(body, exclusive_resource_access=False)
+        result.  fn returns (result tensor, list of its write ops); see
+        exclusively."""
+        return exclusively(self._write_section, [([keys], lambda ordered: fn(ordered[0]))])[0]
 
     def size(self) -> tf.Tensor:
         """Number of stored keys over all shards (int64 scalar)."""
@@ -541,6 +533,7 @@ class Variable(tf.Module):
                     num_shards=self.num_shards,
                     table_creator=self.table_creator,
                     trainable=False,
+                    placement=self.placement,
                 )
         return self._slots[slot_name]
 
@@ -628,7 +621,7 @@ class Variable(tf.Module):
             rows, exists = self._find(keys)
             return tf.concat([rows, tf.cast(exists, rows.dtype)[:, None]], 1)
 
-        _, found, mine = ex.rows_for(unique, find)
+        _, found, mine = ex.rows_for(unique, find, self.placement)
         return tf.gather(found, positions if mine is None else tf.gather(mine, positions))
 
     def _unpack(self, packed):
@@ -686,19 +679,6 @@ class Variable(tf.Module):
         """Rows of deduplicated keys for a plain (non-training) read."""
         return self._reader()(unique_keys)[0]
 
-    def _trainable_lookup(self, unique_keys, positions):
-        """Appends rows of `unique_keys` to the step buffer and gathers the
-        rows at `positions` (indices into unique_keys) from it, so the
-        gradient reaches the buffer.  Under an exchange the buffer holds the
-        rows of every worker's keys, in the same order on all workers."""
-        unique_keys, rows, mine = _exchange.active().rows_for(unique_keys, lambda k: self._find(k, in_step=True)[0])
-        if mine is not None:
-            positions = tf.gather(mine, positions)
-        offset = self._step_size()
-        self._rows_buffer.assign(tf.concat([self._rows_buffer.read_value(), rows], 0))
-        self._keys_buffer.assign(tf.concat([self._keys_buffer.read_value(), unique_keys], 0))
-        return tf.gather(self._rows_buffer, positions + offset)
-
     def _step_size(self):
         """Rows in the step buffer now (int32 scalar)."""
         return tf.raw_ops.VariableShape(input=self._rows_buffer.handle, out_type=tf.int32)[0]
@@ -708,6 +688,103 @@ class Variable(tf.Module):
             self._rows_buffer.assign(tf.zeros([0, self.dim], self.value_dtype)),
             self._keys_buffer.assign(tf.zeros([0], self.key_dtype)),
         )
+
+
+def write_section(name: str) -> tf.CriticalSection:
+    """A new write section (see exclusively).  Its shared_name is unique per
+    call: unnamed critical sections made in eager mode all share one mutex,
+    and two of them in one step deadlock (the second lock can be taken
+    first)."""
+    with tf.init_scope():
+        return tf.CriticalSection(name=f"{name}_writes", shared_name=f"tfde_writes_{next(_SECTION_IDS)}_{name}")
+
+
+def exclusively(section: tf.CriticalSection, jobs: list) -> list:
+    """Runs the jobs [(keys: list of tensors, fn)] inside the write section
+    `section`, once each; returns their results.  fn(keys) returns (result
+    tensor, list of its write ops) and must write through the keys it is
+    given: they reach it through a stateful identity (TfdeOrdered) made
+    after the section's lock, so every write depends on the lock by data,
+    which graph optimizers keep (they drop control edges they judge
+    redundant; measured: a policy write escaped the section under Grappler's
+    arithmetic optimizer).  The section is released once every write and
+    result are done.  Work whose inputs are computed outside fn (new rows,
+    scores) runs before the lock is taken, so it is held only for the
+    writes.  One graph must not enter the same section twice (TF orders the
+    releases in program order but may take the second lock first, a
+    deadlock): the optimizer enters each section once per step with every
+    Variable it guards (Variables of one DistributedEmbedding share one),
+    and removal runs eagerly between or beside steps."""
+    ordered = _native.load().tfde_ordered
+
+    def body():
+        results = []
+        for keys, fn in jobs:
+            result, writes = fn([ordered(k) for k in keys])
+            with tf.control_dependencies(writes):
+                results.append(ordered(result))
+        return results
+
+    return section.execute(body, exclusive_resource_access=False)
+
+
+def trainable_lookups(parts: Sequence[tuple]) -> list:
+    """The rows of a training step's lookups of several Variables: parts is
+    a list of (Variable, unique keys, positions into them); returns the rows
+    gathered at the positions, per part.  Each part's rows are appended to
+    its Variable's step buffer and gathered from it, so that the gradient
+    reaches the buffer; under an exchange the buffer holds the rows of every
+    worker's keys, in the same order on all workers.  The rows of every part come
+    through one call of the exchange (Exchange.rows_for_many), so a layer of
+    many tables pays the collectives of one (docs/distributed.md, "One
+    exchange per step").  A Variable may appear in several parts (features
+    sharing a table): each part appends its own rows to the buffer."""
+    lookups = [
+        _exchange.Lookup(keys, lambda k, v=var: v._find(k, in_step=True)[0], var.placement) for var, keys, _ in parts
+    ]
+    found = _exchange.active().rows_for_many(lookups)
+    return _through_buffers([(var, positions) for var, _, positions in parts], found)
+
+
+def trainable_lookups_of(parts: Sequence[tuple]) -> list:
+    """trainable_lookups of ids not yet deduplicated: parts is a list of
+    (Variable, flat ids [n]); returns the rows [n, dim] of the ids, per part.
+    A process training alone reads the parts that qualify with one native op
+    that deduplicates and finds (tfde/step_kernels.py, `lookup`); the others
+    are deduplicated here and go through the exchange together."""
+    fused = [] if _exchange.active().collective else [i for i, (var, _) in enumerate(parts) if lookup_qualifies(var)]
+    out = [None] * len(parts)
+    if fused:
+        looked = fused_lookup([parts[i] for i in fused])
+        rows = _through_buffers(
+            [(parts[i][0], positions) for i, (_, positions, _) in zip(fused, looked)],
+            [(unique, found, None) for unique, _, found in looked],
+        )
+        for i, r in zip(fused, rows):
+            out[i] = r
+    rest = [i for i in range(len(parts)) if out[i] is None]
+    if rest:
+        deduped = [tf.unique(parts[i][1], out_idx=tf.int32) for i in rest]
+        rows = trainable_lookups([(parts[i][0], unique, positions) for i, (unique, positions) in zip(rest, deduped)])
+        for i, r in zip(rest, rows):
+            out[i] = r
+    return out
+
+
+def _through_buffers(parts: list, found: list) -> list:
+    """Appends each part's rows to its Variable's step buffer and gathers
+    them at its positions; parts: [(Variable, positions into its keys)],
+    found: [(buffer keys, buffer rows, positions of the keys in them or
+    None)] (Exchange.rows_for_many)."""
+    out = []
+    for (var, positions), (buffer_keys, rows, mine) in zip(parts, found):
+        if mine is not None:
+            positions = tf.gather(mine, positions)
+        offset = var._step_size()  # after the appends of earlier parts (ops on one variable run in order)
+        var._rows_buffer.assign(tf.concat([var._rows_buffer.read_value(), rows], 0))
+        var._keys_buffer.assign(tf.concat([var._keys_buffer.read_value(), buffer_keys], 0))
+        out.append(tf.gather(var._rows_buffer, positions + offset))
+    return out
 
 
 def is_step_buffer(var) -> bool:

@@ -15,6 +15,7 @@
 #include "cuckoo_table.h"
 #include "init_rows.h"
 #include "op_support.h"
+#include "table_resource.h"
 #include "tensorflow/core/framework/bfloat16.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -36,71 +37,6 @@ using ::tensorflow::tstring;
 namespace errors = ::tensorflow::errors;
 namespace shape_inference = ::tensorflow::shape_inference;
 
-// ---------------------------------------------------------------- resource
-
-// A table as TF sees it: dtypes and dim fixed at creation.
-class TableResource : public ::tensorflow::ResourceBase {
- public:
-  TableResource(DataType key_dtype, DataType value_dtype, int64_t dim)
-      : key_dtype_(key_dtype),
-        value_dtype_(value_dtype),
-        dim_(dim),
-        value_bytes_(dim * ::tensorflow::DataTypeSize(value_dtype)) {}
-  DataType key_dtype() const { return key_dtype_; }
-  DataType value_dtype() const { return value_dtype_; }
-  int64_t dim() const { return dim_; }
-  int64_t value_bytes() const { return value_bytes_; }
-  std::string Describe() const {
-    return "cuckoo table " + DataTypeString(key_dtype_) + " -> " + DataTypeString(value_dtype_) + "[" +
-           std::to_string(dim_) + "]";
-  }
-  std::string DebugString() const override { return Describe(); }
-
- private:
-  const DataType key_dtype_;
-  const DataType value_dtype_;
-  const int64_t dim_;
-  const int64_t value_bytes_;
-};
-
-template <class K>
-class TypedTable : public TableResource {
- public:
-  TypedTable(DataType kd, DataType vd, int64_t dim, int64_t expected_rows)
-      : TableResource(kd, vd, dim), core(value_bytes(), expected_rows) {}
-  int64_t MemoryUsed() const override { return core.MemoryBytes(); }
-  CuckooTable<K> core;
-};
-
-// Tensor key type -> core key type.
-template <class TK>
-struct CoreKey {
-  using type = TK;
-};
-template <>
-struct CoreKey<tstring> {
-  using type = std::string;
-};
-
-// Key views for the core: int tensors are used in place, strings are viewed.
-template <class TK>
-struct KeyViews {
-  using View = typename KeyTraits<typename CoreKey<TK>::type>::View;
-  explicit KeyViews(const Tensor& keys) : data(keys.flat<TK>().data()) {}
-  const View* data;
-};
-template <>
-struct KeyViews<tstring> {
-  explicit KeyViews(const Tensor& keys) {
-    auto flat = keys.flat<tstring>();
-    storage.reserve(flat.size());
-    for (int64_t i = 0; i < flat.size(); ++i) storage.emplace_back(flat(i).data(), flat(i).size());
-    data = storage.data();
-  }
-  std::vector<std::string_view> storage;
-  const std::string_view* data;
-};
-
 // Large outputs are written once, right after allocation: asking for
 // transparent huge pages first turns ~500 page faults (and their kernel
 // entries) into one per 2 MiB.  Only the 2 MiB-aligned interior is advised.
@@ -114,35 +50,6 @@ void AdviseHugePages(const Tensor& t) {
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 #endif
 }
-
-ParallelFor PoolOf(OpKernelContext* ctx) {
-  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [pool](int64_t total, int64_t cost, const std::function<void(int64_t, int64_t)>& work) {
-    pool->ParallelFor(total, cost, work);
-  };
-}
-
-// A table that cannot take more rows (its memory or its row ids are
-// exhausted: CapacityError, std::bad_alloc from a container, std::length_error
-// from a vector asked to outgrow max_size) fails with RESOURCE_EXHAUSTED and a
-// message that starts with "tfde.CapacityError: ", which tfde/errors.py
-// from_op_error turns back into tfde.CapacityError eagerly (graphs raise
-// tf.errors.ResourceExhaustedError, its base class).  Any other error of the
-// core is a bad argument.
-constexpr char kCapacityPrefix[] = "tfde.CapacityError: ";
-#define TFDE_CATCH(ctx, op_name)                                                                                \
-  catch (const CapacityError& e) {                                                                              \
-    (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": ", e.what()));                     \
-  }                                                                                                             \
-  catch (const std::bad_alloc&) {                                                                               \
-    (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": out of memory"));                  \
-  }                                                                                                             \
-  catch (const std::length_error& e) {                                                                          \
-    (ctx)->CtxFailure(errors::ResourceExhausted(kCapacityPrefix, op_name, ": out of memory (", e.what(), ")")); \
-  }                                                                                                             \
-  catch (const std::exception& e) {                                                                             \
-    (ctx)->CtxFailure(errors::InvalidArgument(op_name, ": ", e.what()));                                        \
-  }
 
 // ---------------------------------------------------------------- create
 
@@ -212,19 +119,6 @@ class CreateTableOp : public OpKernel {
 
 // ---------------------------------------------------------------- base
 
-// The table behind input 0, or nullptr (and a failed ctx) when there is none.
-TableResource* ResolveAny(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<TableResource>* holder) {
-  TableResource* raw = nullptr;
-  auto status = ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 0), &raw);
-  if (!status.ok()) {
-    ctx->CtxFailure(errors::FailedPrecondition(
-        "tfde table not found (was it destroyed, or created in another process?): ", status.message()));
-    return nullptr;
-  }
-  holder->reset(raw);
-  return raw;
-}
-
 // Resolves input 0 to a table whose key dtype is TK; checks `keys` (input 1)
 // is a vector and, when the op has a Tvalue attr, that it matches the table.
 template <class TK>
@@ -243,7 +137,7 @@ class TableOpBase : public OpKernel {
 
   // Returns nullptr (and fails ctx) when the handle or dtypes are wrong.
   TypedTable<K>* Resolve(OpKernelContext* ctx, ::tensorflow::core::RefCountPtr<TableResource>* holder) {
-    TableResource* raw = ResolveAny(ctx, holder);
+    TableResource* raw = ResolveAny(ctx, 0, holder);
     if (raw == nullptr) return nullptr;
     const DataType want_key = ::tensorflow::DataTypeToEnum<TK>::value;
     if (raw->key_dtype() != want_key) {
@@ -459,7 +353,7 @@ class ClearOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<TableResource> holder;
-    TableResource* t = ResolveAny(ctx, &holder);
+    TableResource* t = ResolveAny(ctx, 0, &holder);
     if (t != nullptr) WithTypedTable(t, [](auto* typed) { typed->core.Clear(); });
   }
 };
@@ -469,7 +363,7 @@ class SizeOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<TableResource> holder;
-    TableResource* t = ResolveAny(ctx, &holder);
+    TableResource* t = ResolveAny(ctx, 0, &holder);
     if (t == nullptr) return;
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
@@ -482,7 +376,7 @@ class MemoryOp : public OpKernel {
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<TableResource> holder;
-    TableResource* t = ResolveAny(ctx, &holder);
+    TableResource* t = ResolveAny(ctx, 0, &holder);
     if (t == nullptr) return;
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));

@@ -1,0 +1,258 @@
+"""The fused training step (tfde/step_kernels.py, backends/cuckoo/step_ops.cc)
+against the optimizer's Python path, which stays the reference: for every
+optimizer and option of tests/test_optimizer.py, weight decay, a learning
+rate schedule, float64 and float16 tables, int and string keys, a Variable
+looked up twice in one step and NaN gradients, both paths store the same
+rows and slots (rtol 1e-6).  Each run checks which path it took, so the
+comparison cannot pass by comparing a path with itself."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_optimizer import CASES
+
+import tfde
+from tfde import step_kernels
+
+pytestmark = pytest.mark.keras
+K = tf.keras.optimizers
+STEPS, BATCH, DIM = 6, 24, 5
+
+
+class Calls:
+    """Counts the fused ops traced: writes (step_kernels.apply) and lookups
+    (step_kernels.fused_lookup, as tfde.variable calls it)."""
+
+    def __init__(self, monkeypatch):
+        self.count = self.lookups = 0
+        apply, lookup = step_kernels.apply, tfde.variable.fused_lookup
+
+        def counted_apply(*args, **kwargs):
+            self.count += 1
+            return apply(*args, **kwargs)
+
+        def counted_lookup(*args, **kwargs):
+            self.lookups += 1
+            return lookup(*args, **kwargs)
+
+        monkeypatch.setattr(step_kernels, "apply", counted_apply)
+        monkeypatch.setattr(tfde.variable, "fused_lookup", counted_lookup)
+
+
+def train(make_opt, value_dtype=tf.float32, nan_at=None, graph=True):
+    """STEPS steps of two Variables (int64 and string keys); the item
+    Variable is looked up twice per step (its step buffer then holds keys
+    twice).  Returns {table: {key: row}} of rows and slots."""
+    init = tf.keras.initializers.RandomUniform(-1, 1, seed=3)
+    item = tfde.Variable("item", dim=DIM, value_dtype=value_dtype, initializer=init)
+    user = tfde.Variable("user", key_dtype=tf.string, dim=DIM, value_dtype=value_dtype, initializer=init)
+    opt = make_opt()
+    rng = np.random.default_rng(5)
+    variables = [item.step_buffer, user.step_buffer]
+
+    def step(items, history, users, c):
+        with tf.GradientTape() as tape:
+            a = tfde.embedding_lookup(item, items, training=True)
+            b = tfde.embedding_lookup(item, history, training=True)
+            u = tfde.embedding_lookup(user, users, training=True)
+            loss = tf.reduce_sum(tf.cast(a * c + b * b + u * a, tf.float32))
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    fn = tf.function(step) if graph else step
+    for number in range(STEPS):
+        c = rng.standard_normal((BATCH, DIM))
+        if nan_at is not None and number == nan_at:
+            c[3] = np.nan  # the gradient of items[3] is NaN this step: its row must stay as it is
+        fn(
+            tf.constant(rng.integers(0, 30, BATCH), tf.int64),
+            tf.constant(rng.integers(0, 30, BATCH), tf.int64),
+            tf.constant([f"u{i}" for i in rng.integers(0, 12, BATCH)]),
+            tf.constant(c, value_dtype),
+        )
+    out = {}
+    for var in (item, user):
+        for name, v in [("rows", var)] + sorted(var.slots.items()):
+            table = {}
+            for keys, rows in v.export():
+                table.update(zip(keys.numpy().tolist(), rows.numpy().astype(np.float64)))
+            out[f"{var.name}/{name}"] = table
+    return out
+
+
+def both_paths(monkeypatch, make_opt, **kwargs):
+    calls = Calls(monkeypatch)
+    fused = train(make_opt, **kwargs)
+    assert calls.count > 0 and calls.lookups > 0, "the fused step was not taken"
+    monkeypatch.setattr(step_kernels, "enabled", False)
+    count, lookups = calls.count, calls.lookups
+    python = train(make_opt, **kwargs)
+    assert (calls.count, calls.lookups) == (count, lookups), "the Python path took the fused step"
+    return fused, python
+
+
+def assert_same(fused, python, rtol=1e-6, atol=1e-7):
+    assert set(fused) == set(python)
+    for name in python:
+        assert set(fused[name]) == set(python[name]), name
+        keys = sorted(python[name])
+        assert keys, name
+        np.testing.assert_allclose(
+            np.stack([fused[name][k] for k in keys]),
+            np.stack([python[name][k] for k in keys]),
+            rtol=rtol,
+            atol=atol,
+            err_msg=name,
+        )
+
+
+@pytest.mark.parametrize("kind,cfg", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)])
+def test_the_fused_step_stores_what_the_python_path_stores(monkeypatch, kind, cfg):
+    fused, python = both_paths(monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(getattr(K, kind)(**cfg)))
+    assert_same(fused, python)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: K.RMSprop(0.01, momentum=0.3),
+        lambda: K.Adam(0.01, weight_decay=0.05),
+        lambda: K.SGD(K.schedules.ExponentialDecay(0.05, 2, 0.5), momentum=0.5),
+        lambda: K.Adagrad(0.1, weight_decay=0.02),
+    ],
+    ids=["rmsprop-momentum", "adam-weight-decay", "sgd-schedule", "adagrad-weight-decay"],
+)
+def test_options_beyond_the_rule_are_the_same(monkeypatch, make):
+    fused, python = both_paths(monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(make()))
+    assert_same(fused, python)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(tf.float64, 1e-12), (tf.float16, 1e-3)])
+def test_other_value_dtypes(monkeypatch, dtype, rtol):
+    fused, python = both_paths(
+        monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01, amsgrad=True)), value_dtype=dtype
+    )
+    assert_same(fused, python, rtol=rtol, atol=rtol)
+
+
+def test_a_nan_gradient_leaves_its_row_and_slots_as_they_were(monkeypatch):
+    make = lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01))  # noqa: E731
+    fused, python = both_paths(monkeypatch, make, nan_at=2)
+    assert_same(fused, python)
+    for table in fused.values():
+        assert all(np.isfinite(row).all() for row in table.values())
+
+
+def test_eager_steps_take_it_too(monkeypatch):
+    fused, python = both_paths(monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(K.Ftrl(0.1)), graph=False)
+    assert_same(fused, python)
+
+
+def test_what_the_kernel_does_not_cover_takes_the_python_path(monkeypatch):
+    """Ftrl with another learning_rate_power, clipping: the Python path."""
+    for make in (lambda: K.Ftrl(0.1, learning_rate_power=-0.7), lambda: K.Adam(0.01, clipnorm=1.0)):
+        calls = Calls(monkeypatch)
+        assert train(lambda: tfde.DynamicEmbeddingOptimizer(make()))
+        assert calls.count == 0
+
+
+# ---------------------------------------------------------------- the ops refuse bad inputs, changing nothing
+
+OPS = None
+
+
+def ops():
+    global OPS
+    if OPS is None:
+        from tfde import _native
+
+        OPS = _native.load()
+    return OPS
+
+
+def adam_apply(tables, slots, keys, indices, grads, defaults, hyper, **overrides):
+    attrs = dict(
+        rule="adam",
+        slot_init=[0.0, 0.0],
+        decay=[False] * len(tables),
+        init_kind=["constant"] * len(tables),
+        init_p0=[0.5] * len(tables),
+        init_p1=[0.0] * len(tables),
+        init_seed=[0] * len(tables),
+    )
+    attrs.update(overrides)
+    return ops().tfde_table_apply(
+        tables=tables,
+        slot_tables=slots,
+        keys=keys,
+        indices=indices,
+        grads=grads,
+        defaults=defaults,
+        hyper=hyper,
+        **attrs,
+    )
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"indices": [tf.constant([0, 3], tf.int32)]}, r"indices\[1\] = 3 is outside the 3 keys"),
+        ({"indices": [tf.constant([0, -1], tf.int32)]}, r"indices\[1\] = -1 is outside"),
+        ({"grads": [tf.ones([2, 3])]}, r"grads must have shape \[2, 4\]"),
+        ({"defaults": [tf.ones([2, 4])]}, r"defaults must have shape \[3, 4\] or \[0, 4\]"),
+        ({"hyper": tf.ones([3])}, "hyper must be a vector of at least 6 values"),
+        ({"keys": [tf.constant([[1, 2, 3]], tf.int64)]}, "keys must be a vector"),
+        ({"slot_init": [0.0]}, r"slot_init needs one value per slot \(2\)"),
+        ({"init_kind": ["defaults"]}, "init_kind 'defaults' needs a defaults row per key"),
+    ],
+)
+def test_the_apply_op_refuses_bad_inputs_and_writes_nothing(change, match):
+    rows = tfde.Variable("rows", dim=4)
+    m, v = tfde.Variable("m", dim=4), tfde.Variable("v", dim=4)
+    other = tfde.Variable("other", dim=3)
+    handle = lambda var: var._tables[0].resource_handle  # noqa: E731
+    good = dict(
+        tables=[handle(rows)],
+        slots=[handle(m), handle(v)],
+        keys=[tf.constant([1, 2, 3], tf.int64)],
+        indices=[tf.constant([0, 2], tf.int32)],
+        grads=[tf.ones([2, 4])],
+        defaults=[tf.zeros([0, 4])],
+        hyper=tf.constant([0.1, 0.0, 0.1, 0.1, 0.001, 1e-7]),
+    )
+    attrs = {k: change.pop(k) for k in list(change) if k in ("slot_init", "init_kind")}
+    with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+        adam_apply(**{**good, **change}, **attrs)
+    assert [int(t.size()) for t in (rows, m, v)] == [0, 0, 0]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="this apply takes int64 -> float tables of dim 4"):
+        adam_apply(**{**good, "slots": [handle(m), handle(other)]})
+    assert [int(t.size()) for t in (rows, m, v, other)] == [0, 0, 0, 0]
+    written = adam_apply(**good)
+    assert [int(w) for w in written] == [2] and int(rows.size()) == 2  # keys 1 and 3: the gradient rows' keys
+
+
+def test_the_lookup_op_refuses_a_table_of_another_dim():
+    var = tfde.Variable("rows", dim=4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"this lookup takes int64 -> float\[5\]"):
+        ops().tfde_table_lookup(
+            tables=[var._tables[0].resource_handle],
+            keys=[tf.constant([1, 2], tf.int64)],
+            dims=[5],
+            Tvalue=tf.float32,
+            init_kind=["constant"],
+            init_p0=[0.0],
+            init_p1=[0.0],
+            init_seed=[0],
+        )
+    unique, positions, rows = ops().tfde_table_lookup(
+        tables=[var._tables[0].resource_handle],
+        keys=[tf.constant([7, 5, 7], tf.int64)],
+        dims=[4],
+        Tvalue=tf.float32,
+        init_kind=["constant"],
+        init_p0=[0.25],
+        init_p1=[0.0],
+        init_seed=[0],
+    )
+    assert unique[0].numpy().tolist() == [7, 5] and positions[0].numpy().tolist() == [0, 1, 0]
+    np.testing.assert_array_equal(rows[0].numpy(), np.full([2, 4], 0.25, np.float32))
+    assert int(var.size()) == 0  # a lookup never inserts

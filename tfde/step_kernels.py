@@ -1,0 +1,226 @@
+"""The fused training step: one native op reads the rows of a step's lookups
+of many tables, one writes its optimizer step (docs/lookups.md, "The fused
+step").
+
+The optimizer wrapper (tfde/optimizer.py) hands the gradients of the
+Variables that qualify to `apply`, which makes one TfdeTableApply op per
+group of Variables sharing a write section and dtypes
+(backends/cuckoo/step_ops.cc): it sums each key's gradient, skips keys whose
+gradient is not finite, reads rows and optimizer slots, applies the rule of
+tfde/optimizer_rules.py (the same formulas in C++: backends/cuckoo/rules.h)
+and writes rows and slots back.  Everything else takes the Python path of
+the optimizer, which stays the reference:
+
+* a Variable qualifies when its tables and its slots' are in-process cuckoo
+  tables, one shard each, with no restrict policy, admission filter or change
+  tracking (`qualifies`);
+* an optimizer step qualifies unless it clips (clipnorm, clipvalue,
+  global_clipnorm) or scales the loss (`step_qualifies`).
+
+`enabled` turns the fused step off for the whole process (the Python path
+then trains every Variable), for comparisons and debugging.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import tensorflow as tf
+
+from tfde import _native, optimizer_rules
+from tfde import initializers as _init
+from tfde.optimizer_rules import hp
+from tfde.tables.cuckoo import CuckooTable
+
+enabled = True  # False: every Variable takes the optimizer's Python path
+
+# tfde/optimizer_rules.py rule name -> the kernel's rule attr.
+_KERNEL_RULES = {
+    "SGD": "sgd",
+    "Adagrad": "adagrad",
+    "Adam": "adam",
+    "AdamW": "adam",
+    "RMSprop": "rmsprop",
+    "Ftrl": "ftrl",
+}
+
+
+class Part:
+    """One Variable's share of a fused step: its step-buffer keys [b] (or
+    the keys it owns, after an exchange), gradient rows `values` [m, dim] of
+    the compute dtype at positions `indices` [m] int32 into the keys
+    (repeats allowed), and `defaults` [b, dim] (the rows a missing key
+    starts from: its step-buffer rows) or None (its initializer)."""
+
+    def __init__(self, var, keys, indices, values, defaults=None, decay: bool = False):
+        self.var, self.keys, self.indices, self.values, self.defaults, self.decay = (
+            var,
+            keys,
+            indices,
+            values,
+            defaults,
+            decay,
+        )
+
+
+def qualifies(var) -> bool:
+    """Whether `var`'s training writes can take the fused step."""
+    if not enabled or var.num_shards != 1 or var.restrict_policy is not None:
+        return False
+    if var.admission_filter is not None or var.changes is not None:
+        return False
+    return all(isinstance(t, CuckooTable) for t in var._tables) and all(
+        isinstance(t, CuckooTable) for s in var.slots.values() for t in s._tables
+    )
+
+
+def lookup_qualifies(var) -> bool:
+    """Whether `var`'s training lookups can take the fused lookup (a process
+    training alone; tfde.variable.trainable_lookups_of): one in-process
+    cuckoo table whose missing keys read an initializer of the native kind."""
+    return (
+        enabled
+        and var.num_shards == 1
+        and var._serving is None
+        and isinstance(var._tables[0], CuckooTable)
+        and not isinstance(var.initializer, _init.PerKey)
+    )
+
+
+def fused_lookup(parts: list) -> list:
+    """The rows of a training step's lookups: parts [(Variable, flat ids
+    [n])] of Variables that lookup_qualifies; returns per part (distinct ids
+    [u] in order of first appearance, positions [n] int32 of the ids among
+    them, their rows [u, dim]), one TfdeTableLookup op per key and value
+    dtype."""
+    groups = {}
+    for i, (var, _) in enumerate(parts):
+        groups.setdefault((var.key_dtype, var.value_dtype), []).append(i)
+    out = [None] * len(parts)
+    ops = _native.load()
+    for indices in groups.values():
+        chosen = [parts[i] for i in indices]
+        attrs = [var._missing(ids, for_update=False).attrs() for var, ids in chosen]
+        result = ops.tfde_table_lookup(
+            tables=[var._tables[0].resource_handle for var, _ in chosen],
+            keys=[ids for _, ids in chosen],
+            dims=[var.dim for var, _ in chosen],
+            Tvalue=chosen[0][0].value_dtype,
+            init_kind=[a["init_kind"] for a in attrs],
+            init_p0=[a["init_p0"] for a in attrs],
+            init_p1=[a["init_p1"] for a in attrs],
+            init_seed=[a["init_seed"] for a in attrs],
+        )
+        for k, i in enumerate(indices):
+            out[i] = (result[0][k], result[1][k], result[2][k])
+    return out
+
+
+def step_qualifies(opt, rule) -> bool:
+    """Whether this step of `opt` (whose Rule is `rule`) can take it: not
+    when it clips or scales the loss, nor Ftrl with a learning_rate_power
+    other than -0.5 (the kernel's power is a square root, see
+    optimizer_rules.ftrl_power)."""
+    if not enabled or rule.name not in _KERNEL_RULES:
+        return False
+    if rule.name == "Ftrl" and optimizer_rules.ftrl_power(opt) is not tf.sqrt:
+        return False
+    return all(
+        hp(opt, name, None) is None for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor")
+    )
+
+
+def _flags(opt, rule) -> dict:
+    name = rule.name
+    flags = {"rule": _KERNEL_RULES[name]}
+    if name == "SGD":
+        flags.update(momentum=float(hp(opt, "momentum", 0.0)) != 0.0, nesterov=bool(hp(opt, "nesterov", False)))
+    elif name in ("Adam", "AdamW"):
+        flags.update(amsgrad=bool(hp(opt, "amsgrad", False)))
+    elif name == "RMSprop":
+        flags.update(momentum=float(hp(opt, "momentum", 0.0)) > 0, centered=bool(hp(opt, "centered", False)))
+    return flags
+
+
+def _hyper(opt, rule, lr, compute):
+    """The step's scalars (backends/cuckoo/rules.h, Hyper), computed with the
+    TensorFlow ops tfde/optimizer_rules.py computes them with."""
+
+    def f(value):
+        return tf.cast(value, compute)
+
+    wd = hp(opt, "weight_decay", None)
+    head = [lr, f(0.0 if wd is None else wd)]
+    name = rule.name
+    if name == "SGD":
+        rest = [f(float(hp(opt, "momentum", 0.0)))]
+    elif name == "Adagrad":
+        rest = [f(hp(opt, "epsilon", 1e-7))]
+    elif name in ("Adam", "AdamW"):
+        t = tf.cast(opt.iterations + 1, compute)
+        b1, b2 = f(hp(opt, "beta_1", 0.9)), f(hp(opt, "beta_2", 0.999))
+        b1_t, b2_t = tf.pow(b1, t), tf.pow(b2, t)
+        alpha = lr * tf.sqrt(1 - b2_t) / (1 - b1_t)
+        eps = f(hp(opt, "epsilon", 1e-7))
+        if hp(opt, "adaptive_epsilon", False):
+            eps = eps * tf.sqrt(1 - b2_t)
+        rest = [alpha, 1 - b1, 1 - b2, eps]
+    elif name == "RMSprop":
+        rho = f(hp(opt, "rho", 0.9))
+        rest = [rho, 1 - rho, f(hp(opt, "epsilon", 1e-7)), f(float(hp(opt, "momentum", 0.0)))]
+    else:  # Ftrl
+        l2 = f(hp(opt, "l2_regularization_strength", 0.0)) + f(hp(opt, "beta", 0.0)) / (2.0 * lr)
+        rest = [
+            f(0.0),  # unused: the power is -0.5 (step_qualifies)
+            f(hp(opt, "l1_regularization_strength", 0.0)),
+            2 * l2,
+            2 * f(hp(opt, "l2_shrinkage_regularization_strength", 0.0)),
+            f(0.0),
+        ]
+    return tf.stack(head + rest)
+
+
+def group_key(part: Part):
+    """Parts with the same key are written by one op."""
+    var = part.var
+    return (id(var._write_section), var.key_dtype, var.value_dtype)
+
+
+def apply(opt, rule, parts: List[Part], lr, keys: Optional[list] = None) -> List[tf.Tensor]:
+    """One TfdeTableApply op writing `parts` (one group_key; their slot
+    Variables exist); `keys`: the parts' keys as the write section hands them
+    (default: part.keys).  Returns the keys written per part (int64
+    scalars)."""
+    var0 = parts[0].var
+    compute = tf.float64 if var0.value_dtype == tf.float64 else tf.float32
+    slots = rule.slots(opt)
+    kinds, p0, p1, seeds, defaults = [], [], [], [], []
+    for p in parts:
+        missing = p.var._missing(p.keys, for_update=True) if p.defaults is None else None
+        if p.defaults is not None or not isinstance(missing, _init.InitSpec):
+            rows = p.defaults if p.defaults is not None else missing
+            defaults.append(tf.cast(rows, var0.value_dtype))
+            kinds.append("defaults")
+            p0.append(0.0), p1.append(0.0), seeds.append(0)
+        else:
+            defaults.append(tf.zeros([0, p.var.dim], var0.value_dtype))
+            attrs = missing.attrs()
+            kinds.append(attrs["init_kind"]), p0.append(attrs["init_p0"]), p1.append(attrs["init_p1"])
+            seeds.append(attrs["init_seed"])
+    slot_tables = [p.var.slot(name, init)._tables[0].resource_handle for p in parts for name, init in slots]
+    return _native.load().tfde_table_apply(
+        tables=[p.var._tables[0].resource_handle for p in parts],
+        slot_tables=slot_tables,
+        keys=keys if keys is not None else [p.keys for p in parts],
+        indices=[tf.cast(p.indices, tf.int32) for p in parts],
+        grads=[tf.cast(p.values, compute) for p in parts],
+        defaults=defaults,
+        hyper=_hyper(opt, rule, tf.cast(lr, compute), compute),
+        slot_init=[float(init) for _, init in slots],
+        decay=[bool(p.decay) for p in parts],
+        init_kind=kinds,
+        init_p0=p0,
+        init_p1=p1,
+        init_seed=seeds,
+        **_flags(opt, rule),
+    )
