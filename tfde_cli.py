@@ -18,6 +18,7 @@ import threading
 USAGE = """\
   tfde train [--data ratings.csv] [--epochs N] ...   train the demo two-tower model
   tfde train --workers 2 [--engine mwms|horovod]     ... with 2 synchronous worker processes
+  tfde train --model dlrm [--placement auto] ...     train the DLRM click model (26 sparse features)
   tfde make-data DIR [--ratings N] [--seed S]        write synthetic MovieLens CSVs (ratings.csv, movies.csv)
   tfde build [--force]                               compile the op library now (for images)
 
@@ -38,15 +39,48 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tf-logs", action="store_true", default=False, help="show TensorFlow's log lines and warnings")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the demo two-tower model", parents=[logs])
-    t.add_argument("--data", help="MovieLens ratings CSV (userId,movieId,rating,timestamp); default: synthetic")
-    t.add_argument("--interactions", type=int, default=1_000_000)
+    t = sub.add_parser("train", help="train the demo two-tower model (or --model dlrm)", parents=[logs])
+    t.add_argument(
+        "--model",
+        choices=["two-tower", "dlrm"],
+        default="two-tower",
+        help="two-tower retrieval on MovieLens-like data, or DLRM click prediction on a Criteo-like log",
+    )
+    t.add_argument(
+        "--data",
+        help="two-tower: MovieLens ratings CSV (userId,movieId,rating,timestamp); dlrm: Criteo TSV (label, "
+        "13 integers, 26 hex strings); default: synthetic",
+    )
+    t.add_argument("--interactions", type=int, default=1_000_000, help="two-tower: synthetic interactions")
     t.add_argument("--users", type=int, default=50_000)
     t.add_argument("--items", type=int, default=20_000)
-    t.add_argument("--epochs", type=int, default=2)
-    t.add_argument("--batch-size", type=int, default=1024)
-    t.add_argument("--dim", type=int, default=64, help="embedding dim")
-    t.add_argument("--learning-rate", type=float, default=0.01)
+    t.add_argument(
+        "--examples", type=int, default=1_000_000, help="dlrm: synthetic examples (or at most this many of --data)"
+    )
+    t.add_argument(
+        "--max-cardinality", type=int, default=10_000_000, help="dlrm: the largest synthetic feature's distinct ids"
+    )
+    t.add_argument(
+        "--placement",
+        choices=["auto", "rows", "round_robin", "memory_balanced"],
+        default="auto",
+        help="dlrm: the placement plan of the 26 tables over the workers",
+    )
+    t.add_argument(
+        "--features", type=int, default=26, help="dlrm: use the first N of the 26 categorical features (1..26)"
+    )
+    t.add_argument(
+        "--layers",
+        choices=["collection", "per-feature"],
+        default="collection",
+        help="dlrm: one DistributedEmbedding layer, or one Embedding layer per feature",
+    )
+    t.add_argument("--epochs", type=int, help="default: 2 (two-tower), 1 (dlrm)")
+    t.add_argument(
+        "--batch-size", type=int, help="examples per worker and step; default: 1024 (two-tower), 4096 (dlrm)"
+    )
+    t.add_argument("--dim", type=int, help="embedding dim; default: 64 (two-tower), 16 (dlrm)")
+    t.add_argument("--learning-rate", type=float, help="default: 0.01 (two-tower), 0.002 (dlrm)")
     t.add_argument("--optimizer", default="adam", help="adam, adagrad, sgd, rmsprop, adamw or ftrl")
     t.add_argument("--k", type=int, default=100, help="recall@k")
     t.add_argument("--seed", type=int, default=0)

@@ -25,9 +25,10 @@ JOB = Path(__file__).with_name("distributed_job.py")
 TIMEOUT_S = 300
 
 
-def run_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None):
+def run_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None, load_out=True):
     """Runs the job with `workers` processes (MultiWorkerMirroredStrategy on
-    loopback, or horovodrun for engine 'hvd'); returns load() of its files."""
+    loopback, or horovodrun for engine 'hvd'); returns load() of its files
+    (None with load_out=False)."""
     ports = [free_port() for _ in range(workers)]
     cfg = {
         "workers": workers,
@@ -74,7 +75,7 @@ def run_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None):
     for i, (p, out) in enumerate(zip(procs, outputs)):
         if p.returncode != 0:
             raise JobFailed(f"worker {i} of {workers} failed (exit {p.returncode}):\n{out[-4000:]}", out)
-    return load(cfg["out"])
+    return load(cfg["out"]) if load_out else None
 
 
 class JobFailed(AssertionError):
@@ -146,3 +147,68 @@ def redis_tag(port=6379):
         stale = [k for pattern in (f"{tag}*", f"tfde-*:{tag}*") for k in client.scan_iter(match=pattern)]
         if stale:
             client.delete(*stale)
+
+
+# The many-feature model's plans (tests/distributed_job.py, model "many"):
+# (placement, column_slice_threshold).
+PLAN_CASES = [
+    ("rows", None),
+    ("round_robin", None),
+    ("memory_balanced", None),
+    ("auto", None),
+    ("round_robin", 3),
+]
+
+
+def run_plans(tmp_path, workers, engine, tag, plans, layout="cuckoo", extra=None):
+    """The many-feature model trained on every (placement, threshold) of
+    `plans` in one job of `workers` processes (one model after the other);
+    returns load() of each plan's files, in order."""
+    extra = {"model": "many", "plans": [list(p) for p in plans], **(extra or {})}
+    run_job(tmp_path, workers, engine, "adam", layout, tag, extra=extra, load_out=False)
+    return [load(str(tmp_path / f"out{workers}-plan{i}")) for i in range(len(plans))]
+
+
+def check_plans_like_one_worker(tmp_path, engine, tag):
+    """Every plan of PLAN_CASES (column slices too): 2 workers store what 1
+    worker does, each table slice where the plan put it.  One worker's
+    result depends only on the column slicing (every placement puts
+    everything on worker 0), so it runs once per slicing."""
+    thresholds = sorted({t for _, t in PLAN_CASES}, key=str)
+    ones = dict(zip(thresholds, run_plans(tmp_path, 1, engine, tag, [("rows", t) for t in thresholds])))
+    twos = run_plans(tmp_path, 2, engine, tag, PLAN_CASES)
+    for number, ((placement, threshold), two) in enumerate(zip(PLAN_CASES, twos)):
+        try:
+            check_equal(ones[threshold], two)
+            check_many_tables(two, threshold)
+            check_plan(tmp_path, 2, placement, prefix=f"out2-plan{number}")
+        except AssertionError as e:
+            raise AssertionError(f"plan {placement!r}, column_slice_threshold={threshold}: {e}") from None
+
+
+def check_plan(tmp_path, workers, placement, prefix=None):
+    """Every table slice the plan put on one worker is stored by that
+    worker alone (load() already checked that no key is stored twice);
+    `prefix`: the job's "out" name (default out{workers})."""
+    prefix = prefix or f"out{workers}"
+    plan = json.loads((tmp_path / f"{prefix}-plan.json").read_text())
+    parts = [dict(np.load(tmp_path / f"{prefix}-w{w}.npz")) for w in range(workers)]
+    placed = {name: w for name, w in plan["plan"].items() if w >= 0}
+    if placement in ("round_robin", "memory_balanced"):
+        assert len(placed) == len(plan["plan"]), plan
+        assert set(placed.values()) == set(range(workers)), f"a worker holds no table: {plan}"
+    if placement == "rows":
+        assert not placed, plan
+    for name, w in placed.items():
+        for other in range(workers):
+            count = len(parts[other][f"{name}/keys"])
+            assert (count > 0) == (other == w), f"{name} is planned on worker {w}, worker {other} has {count} keys"
+    return plan
+
+
+def check_many_tables(result, threshold):
+    """The many-feature model's tables (each table, or its column slices)
+    and their Adam slots are all in `result` (load())."""
+    slices = [""] if threshold is None else ["-cols0_3", "-cols3_6", "-cols6_8"]
+    names = {f"emb-{t}{s}" for t in ("user", "item", "cat") for s in slices}
+    assert set(result[0]) == names | {f"{n}/{s}" for n in names for s in ("m", "v")}, sorted(result[0])

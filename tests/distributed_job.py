@@ -15,7 +15,12 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          "tfdata_read": true (after training, every worker reads rows in tf.data functions) or "unequal"
          (worker 1 runs one read more),
          "eager_read": true (after training, every worker reads rows eagerly outside strategy.run),
-         "topk_metric": true (model "tfrs": a FactorizedTopK metric over candidates.map(item tower)), ...}
+         "topk_metric": true (model "tfrs": a FactorizedTopK metric over candidates.map(item tower)),
+         "model": "many" (one tfde.keras.layers.DistributedEmbedding over four features: user, item, an
+         item history sharing the item table, a category in a table of its own; "placement" and
+         "column_slice_threshold" go to the layer; worker 0 writes the layer's plan to OUT-plan.json;
+         "plans": [[placement, threshold], ...] trains one such model per plan in turn, each writing
+         OUT-planI-*), ...}
 
 The data are fixed: T global batches of G examples (string user id, int64
 item id, label), the same for every run; the custom loop adds a short last
@@ -74,6 +79,10 @@ total = sum(sizes)
 all_users = np.array([f"u{int(i)}" for i in rng.zipf(1.3, size=total) % 97])
 all_items = (rng.zipf(1.2, size=total) % 211).astype(np.int64) * 1_000_003
 all_labels = rng.random(total).astype(np.float32)
+# Model "many": each example's three previous items (its history, in the item
+# table) and a category with a table of its own.
+all_hist = np.stack([np.roll(all_items, k) for k in (1, 2, 3)], 1)
+all_cats = (all_items // 1_000_003) % 13 + 5
 # The second half of the last global batch repeats keys of the first step, so
 # with 2 workers worker 1 sees no new key in the last step (the same data for
 # any number of workers).
@@ -86,6 +95,7 @@ for size in sizes:  # this worker's slice of each global batch
     start += size
 mine = np.concatenate(parts)
 users, items, labels = all_users[mine], all_items[mine], all_labels[mine]
+hist, cats = all_hist[mine], all_cats[mine]
 part_starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
 part_sizes = np.array([len(p) for p in parts], np.int64)
 
@@ -100,8 +110,34 @@ if cfg["layout"] == "redis":
     creator = tfde.RedisTableCreator(cfg["redis"])
 
 
+MANY = cfg.get("model") == "many"
+
+
+def make_many(model):
+    """Model "many": every feature in one DistributedEmbedding layer."""
+    init = tf.keras.initializers.RandomNormal(stddev=0.3, seed=1)
+    user = tfde.TableConfig("user", 8, key_dtype=tf.string, initializer=init, table_creator=creator, expected_rows=97)
+    item = tfde.TableConfig("item", 8, initializer=init, table_creator=creator, expected_rows=211)
+    cat = tfde.TableConfig("cat", 8, initializer=init, table_creator=creator, expected_rows=13)
+    features = {
+        "user": tfde.FeatureConfig(user),
+        "item": tfde.FeatureConfig(item),
+        "hist": tfde.FeatureConfig(item, combiner="sum"),
+        "cat": tfde.FeatureConfig(cat),
+    }
+    model.emb = tfde.keras.layers.DistributedEmbedding(
+        features,
+        placement=cfg.get("placement", "auto"),
+        column_slice_threshold=cfg.get("column_slice_threshold"),
+        name="emb",
+    )
+    model.dense = tf.keras.layers.Dense(4, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2), name="dense")
+
+
 def make_layers(model):
     """The job's layers, as attributes of `model` (a Keras or tfrs Model)."""
+    if MANY:
+        return make_many(model)
     emb = dict(initializer=tf.keras.initializers.RandomNormal(stddev=0.3, seed=1), table_creator=creator)
     if cfg.get("restrict"):
         emb["restrict_policy"] = tfde.FrequencyRestrictPolicy
@@ -119,6 +155,9 @@ def make_layers(model):
 
 
 def forward(model, features, training):
+    if MANY:
+        out = model.emb(features, training=training)
+        return tf.reduce_sum(model.dense(tf.concat([out[n] for n in ("user", "item", "hist", "cat")], 1)), axis=1)
     u = model.user_emb(features["user"], training=training)
     i = model.item_emb(features["item"], training=training)
     return tf.reduce_sum(model.dense(tf.concat([u, i], axis=1)), axis=1)
@@ -158,6 +197,8 @@ class CustomStepModel(Model):
 
 def build():
     kind = cfg.get("model", "keras")
+    if kind == "many":  # Keras's train_step, or with "custom_step": tape.gradient, then apply_gradients
+        return CustomStepModel() if cfg.get("custom_step") else Model()
     if kind == "custom_step":
         return CustomStepModel()
     if kind == "tfrs":
@@ -187,7 +228,7 @@ def build():
 
 
 def compile_model(model, opt):
-    if cfg.get("model", "keras") == "keras":
+    if cfg.get("model", "keras") in ("keras", "many"):
         model.compile(optimizer=opt, loss="mse")
     else:
         model.compile(optimizer=opt)
@@ -211,110 +252,25 @@ def optimizer():
     return hvd_keras.DistributedOptimizer(opt) if cfg["engine"] == "hvd" and cfg.get("hvd_wrap", True) else opt
 
 
+def features_of(start, count):
+    """This worker's features of examples [start, start + count) (tensors or numbers)."""
+    out = {"user": tf.constant(users)[start : start + count], "item": tf.constant(items)[start : start + count]}
+    if MANY:
+        out["hist"] = tf.constant(hist)[start : start + count]
+        out["cat"] = tf.constant(cats)[start : start + count]
+    return out
+
+
 def dataset(ctx=None):
-    u, i, y = tf.constant(users), tf.constant(items), tf.constant(labels)
+    y = tf.constant(labels)
     ds = (
         tf.data.Dataset.from_tensor_slices((part_starts, part_sizes))
         .repeat(cfg.get("repeat", 1))
-        .map(lambda s, n: ({"user": u[s : s + n], "item": i[s : s + n]}, y[s : s + n]))
+        .map(lambda s, n: (features_of(s, n), y[s : s + n]))
     )
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     return ds.with_options(options)
-
-
-with strategy.scope():
-    model = build()
-    opt = optimizer()
-
-
-def checkpoints(directory):
-    """tfde.saving.CheckpointManager of the job: every worker writes its own files."""
-    return tfde.saving.CheckpointManager(
-        directory, model=model, optimizer=opt, strategy=strategy if N > 1 and cfg["engine"] != "hvd" else None
-    )
-
-
-def restore_if_asked():
-    if cfg.get("restore_dir"):
-        assert checkpoints(cfg["restore_dir"].format(rank=index)).restore(), "no checkpoint to restore"
-
-
-if cfg["engine"] != "loop":  # tf-keras restores into what model.fit builds later
-    restore_if_asked()
-
-if cfg["engine"] == "hvd":
-    # Each worker's loss is the mean over its examples; Horovod averages
-    # gradients, so equal shares make the global mean.
-    compile_model(model, opt)
-
-    def maybe_die(number, logs):
-        if index == cfg.get("die_worker") and number == cfg.get("die_after_step"):
-            os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-training
-
-    model.fit(
-        dataset(),
-        epochs=1,
-        verbose=0,
-        callbacks=[
-            hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
-            tf.keras.callbacks.LambdaCallback(on_train_batch_end=maybe_die),
-        ]
-        + restrict_callbacks(),
-    )
-elif cfg["engine"] == "fit":
-    with strategy.scope():
-        compile_model(model, opt)
-    if N > 1 and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
-        data = tf.keras.utils.experimental.DatasetCreator(lambda ctx: dataset(ctx))
-        model.fit(data, epochs=1, steps_per_epoch=T, verbose=0, callbacks=restrict_callbacks())
-    elif N > 1:  # Keras 3 has no DatasetCreator
-        model.fit(
-            strategy.distribute_datasets_from_function(dataset),
-            epochs=1,
-            steps_per_epoch=T,
-            verbose=0,
-            callbacks=restrict_callbacks(),
-        )
-    else:
-        model.fit(dataset(), epochs=1, verbose=0, callbacks=restrict_callbacks())
-else:
-    # Custom loop: create the model's and the optimizer's variables under the
-    # strategy's scope before the first step, as Keras 3 needs.
-    with strategy.scope():
-        model({"user": users[:1], "item": items[:1]})
-        opt.build(model.trainable_variables)
-    restore_if_asked()  # Keras 3 restores only into a built model
-
-    @tf.function
-    def step(batch):
-        def replica_step(features, y):
-            # The mean over the global batch, whatever this worker's share of it.
-            ctx = tf.distribute.get_replica_context()
-            global_size = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.shape(y)[0], tf.float32))
-            with tf.GradientTape() as tape:
-                pred = model(features, training=True)
-                loss = tf.reduce_sum(tf.square(pred - y)) / global_size
-            variables = model.trainable_variables
-            opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
-
-        strategy.run(replica_step, args=batch)
-
-    data = strategy.distribute_datasets_from_function(dataset) if N > 1 else dataset()
-    auto = (
-        tfde.AutoRestrictor(
-            [model.user_emb.params, model.item_emb.params], every_n_steps=2, num_reserved=cfg["restrict"]
-        )
-        if cfg.get("restrict")
-        else None
-    )
-    for number, batch in enumerate(data):
-        step(batch)
-        if auto is not None:
-            auto.after_step(number + 1)
-        print(f"worker {index} finished step {number}", flush=True)
-        if index == cfg.get("die_worker") and number == cfg.get("die_after_step"):
-            os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-training
 
 
 def dump(var):
@@ -324,54 +280,166 @@ def dump(var):
         keys.append(k.astype("S") if k.dtype == object else k)
         rows.append(r.numpy())
     if not keys:
-        return np.zeros([0], var.key_dtype.as_numpy_dtype), np.zeros([0, var.dim], np.float32)
+        empty = np.zeros([0], "S1" if var.key_dtype == tf.string else var.key_dtype.as_numpy_dtype)
+        return empty, np.zeros([0, var.dim], np.float32)
     return np.concatenate(keys), np.concatenate(rows)
 
 
-eager_read = None
-if cfg.get("eager_read"):
-    # Every worker reads item rows eagerly, outside strategy.run.
-    eager_ids = np.unique(all_items)[:60]
-    eager_read = model.item_emb(tf.constant(eager_ids)).numpy()
-tfdata_read = None
-if cfg.get("tfdata_read"):
-    # A tf.data function reads item rows (as a tfrs FactorizedTopK metric over
-    # mapped candidates does), every worker the same batches: straight from
-    # a shared store; through the strategy's collectives with each worker's
-    # own tables under MultiWorkerMirroredStrategy (compared with the owners'
-    # rows by the test, like the dense weights between workers).
+def train_and_save():
+    """Builds the model, trains it and writes this worker's OUT-wW.npz (and,
+    for model "many", the plan)."""
+    with strategy.scope():
+        model = build()
+        opt = optimizer()
+
+    def checkpoints(directory):
+        """tfde.saving.CheckpointManager of the job: every worker writes its own files."""
+        return tfde.saving.CheckpointManager(
+            directory, model=model, optimizer=opt, strategy=strategy if N > 1 and cfg["engine"] != "hvd" else None
+        )
+
+    def restore_if_asked():
+        if cfg.get("restore_dir"):
+            assert checkpoints(cfg["restore_dir"].format(rank=index)).restore(), "no checkpoint to restore"
+
+    if cfg["engine"] != "loop":  # tf-keras restores into what model.fit builds later
+        restore_if_asked()
+
+    if cfg["engine"] == "hvd":
+        # Each worker's loss is the mean over its examples; Horovod averages
+        # gradients, so equal shares make the global mean.
+        compile_model(model, opt)
+
+        def maybe_die(number, logs):
+            if index == cfg.get("die_worker") and number == cfg.get("die_after_step"):
+                os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-training
+
+        model.fit(
+            dataset(),
+            epochs=1,
+            verbose=0,
+            callbacks=[
+                hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                tf.keras.callbacks.LambdaCallback(on_train_batch_end=maybe_die),
+            ]
+            + restrict_callbacks(),
+        )
+    elif cfg["engine"] == "fit":
+        with strategy.scope():
+            compile_model(model, opt)
+        if N > 1 and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+            data = tf.keras.utils.experimental.DatasetCreator(lambda ctx: dataset(ctx))
+            model.fit(data, epochs=1, steps_per_epoch=T, verbose=0, callbacks=restrict_callbacks())
+        elif N > 1:  # Keras 3 has no DatasetCreator
+            model.fit(
+                strategy.distribute_datasets_from_function(dataset),
+                epochs=1,
+                steps_per_epoch=T,
+                verbose=0,
+                callbacks=restrict_callbacks(),
+            )
+        else:
+            model.fit(dataset(), epochs=1, verbose=0, callbacks=restrict_callbacks())
+    else:
+        # Custom loop: create the model's and the optimizer's variables under the
+        # strategy's scope before the first step, as Keras 3 needs.
+        with strategy.scope():
+            model(features_of(0, 1))
+            opt.build(model.trainable_variables)
+        restore_if_asked()  # Keras 3 restores only into a built model
+
+        @tf.function
+        def step(batch):
+            def replica_step(features, y):
+                # The mean over the global batch, whatever this worker's share of it.
+                ctx = tf.distribute.get_replica_context()
+                global_size = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.shape(y)[0], tf.float32))
+                with tf.GradientTape() as tape:
+                    pred = model(features, training=True)
+                    loss = tf.reduce_sum(tf.square(pred - y)) / global_size
+                variables = model.trainable_variables
+                opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+            strategy.run(replica_step, args=batch)
+
+        data = strategy.distribute_datasets_from_function(dataset) if N > 1 else dataset()
+        auto = (
+            tfde.AutoRestrictor(  # not with model "many"
+                [model.user_emb.params, model.item_emb.params], every_n_steps=2, num_reserved=cfg["restrict"]
+            )
+            if cfg.get("restrict")
+            else None
+        )
+        for number, batch in enumerate(data):
+            step(batch)
+            if auto is not None:
+                auto.after_step(number + 1)
+            print(f"worker {index} finished step {number}", flush=True)
+            if index == cfg.get("die_worker") and number == cfg.get("die_after_step"):
+                os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-training
+
+    eager_read = None
+    if cfg.get("eager_read"):
+        # Every worker reads item rows eagerly, outside strategy.run.
+        eager_ids = np.unique(all_items)[:60]
+        eager_read = model.item_emb(tf.constant(eager_ids)).numpy()
+    tfdata_read = None
+    if cfg.get("tfdata_read"):
+        # A tf.data function reads item rows (as a tfrs FactorizedTopK metric over
+        # mapped candidates does), every worker the same batches: straight from
+        # a shared store; through the strategy's collectives with each worker's
+        # own tables under MultiWorkerMirroredStrategy (compared with the owners'
+        # rows by the test, like the dense weights between workers).
+        tfde.exchange.barrier(strategy if N > 1 and cfg["engine"] != "hvd" else None)
+        tfdata_ids = np.unique(all_items)[:60]
+        read = tf.data.Dataset.from_tensor_slices(tfdata_ids).batch(16).map(lambda x: model.item_emb(x, training=True))
+        tfdata_read = np.concatenate([r.numpy() for r in read])
+        if cfg["layout"] != "cuckoo":
+            np.testing.assert_array_equal(tfdata_read, model.item_emb.params._find(tf.constant(tfdata_ids))[0].numpy())
+        # String keys, in a parallel map: the same rows as an eager read (which
+        # goes through strategy.run).
+        user_ids = np.unique(all_users)[:40]
+        read = tf.data.Dataset.from_tensor_slices(user_ids).batch(8).map(model.user_emb, num_parallel_calls=4)
+        if cfg.get("tfdata_read") == "unequal" and index == 1:  # one worker runs the read once more
+            read = read.concatenate(read.take(1))
+        user_rows = np.concatenate([r.numpy() for r in read])
+        np.testing.assert_array_equal(user_rows, model.user_emb(tf.constant(user_ids)).numpy())
+        print(f"worker {index}: tf.data read of {len(tfdata_ids)} rows", flush=True)
+    if cfg.get("save_dir"):
+        checkpoints(cfg["save_dir"].format(rank=index)).save()
+    # Every worker's last writes are done before worker 0 reads the shared tables.
     tfde.exchange.barrier(strategy if N > 1 and cfg["engine"] != "hvd" else None)
-    tfdata_ids = np.unique(all_items)[:60]
-    read = tf.data.Dataset.from_tensor_slices(tfdata_ids).batch(16).map(lambda x: model.item_emb(x, training=True))
-    tfdata_read = np.concatenate([r.numpy() for r in read])
-    if cfg["layout"] != "cuckoo":
-        np.testing.assert_array_equal(tfdata_read, model.item_emb.params._find(tf.constant(tfdata_ids))[0].numpy())
-    # String keys, in a parallel map: the same rows as an eager read (which
-    # goes through strategy.run).
-    user_ids = np.unique(all_users)[:40]
-    read = tf.data.Dataset.from_tensor_slices(user_ids).batch(8).map(model.user_emb, num_parallel_calls=4)
-    if cfg.get("tfdata_read") == "unequal" and index == 1:  # one worker runs the read once more
-        read = read.concatenate(read.take(1))
-    user_rows = np.concatenate([r.numpy() for r in read])
-    np.testing.assert_array_equal(user_rows, model.user_emb(tf.constant(user_ids)).numpy())
-    print(f"worker {index}: tf.data read of {len(tfdata_ids)} rows", flush=True)
-if cfg.get("save_dir"):
-    checkpoints(cfg["save_dir"].format(rank=index)).save()
-# Every worker's last writes are done before worker 0 reads the shared tables.
-tfde.exchange.barrier(strategy if N > 1 and cfg["engine"] != "hvd" else None)
-out = {}
-if cfg["layout"] == "cuckoo" or index == 0:  # a shared store: worker 0 writes its tables
-    for layer in (model.user_emb, model.item_emb):
-        var = layer.params
-        out[f"{layer.name}/keys"], out[f"{layer.name}/rows"] = dump(var)
-        for name, slot in var.slots.items():
-            out[f"{layer.name}/{name}/keys"], out[f"{layer.name}/{name}/rows"] = dump(slot)
-out["dense/kernel"], out["dense/bias"] = (np.asarray(w) for w in model.dense.get_weights())
-if eager_read is not None:  # compared between workers like the dense weights (distributed_check.load)
-    out["dense/eager_ids"], out["dense/eager_rows"] = eager_ids, eager_read
-if tfdata_read is not None:
-    out["dense/tfdata_ids"], out["dense/tfdata_rows"] = tfdata_ids, tfdata_read
-if cfg.get("topk_metric"):  # accumulated over all steps; aggregated over the workers
-    out["dense/topk"] = np.array([float(r) for r in model.topk.result()])
-np.savez(f"{cfg['out']}-w{index}.npz", **out)
-print(f"worker {index} done", flush=True)
+    out = {}
+    if cfg["layout"] == "cuckoo" or index == 0:  # a shared store: worker 0 writes its tables
+        for layer in model.emb.table_layers if MANY else (model.user_emb, model.item_emb):
+            var = layer.params
+            out[f"{layer.name}/keys"], out[f"{layer.name}/rows"] = dump(var)
+            for name, slot in var.slots.items():
+                out[f"{layer.name}/{name}/keys"], out[f"{layer.name}/{name}/rows"] = dump(slot)
+    out["dense/kernel"], out["dense/bias"] = (np.asarray(w) for w in model.dense.get_weights())
+    if eager_read is not None:  # compared between workers like the dense weights (distributed_check.load)
+        out["dense/eager_ids"], out["dense/eager_rows"] = eager_ids, eager_read
+    if tfdata_read is not None:
+        out["dense/tfdata_ids"], out["dense/tfdata_rows"] = tfdata_ids, tfdata_read
+    if cfg.get("topk_metric"):  # accumulated over all steps; aggregated over the workers
+        out["dense/topk"] = np.array([float(r) for r in model.topk.result()])
+    np.savez(f"{cfg['out']}-w{index}.npz", **out)
+    if MANY and index == 0:  # where the plan put each table slice: its layer name -> worker, or -1 for rows
+        plan = {
+            layer.name: layer.params.placement.worker % N if hasattr(layer.params.placement, "worker") else -1
+            for layer in model.emb.table_layers
+        }
+        json.dump({"plan": plan, "text": str(model.emb.plan)}, open(f"{cfg['out']}-plan.json", "w"))
+    print(f"worker {index} done", flush=True)
+
+
+# Model "many" with "plans": [[placement, column_slice_threshold], ...]: one
+# model per plan in turn, in the same processes (one job start for every
+# plan), each writing OUT-planI-wW.npz and OUT-planI-plan.json.
+if MANY and cfg.get("plans"):
+    prefix = cfg["out"]
+    for number, (placement, threshold) in enumerate(cfg["plans"]):
+        cfg.update(placement=placement, column_slice_threshold=threshold, out=f"{prefix}-plan{number}")
+        train_and_save()
+else:
+    train_and_save()

@@ -92,3 +92,23 @@ def test_distributed_bench_quick_with_both_engines():
     out = _bench("benchmarks.distributed_bench", "--quick", "--horovod-python", horovod, timeout=1200)
     for run in ("2 workers MWMS", "2 workers Horovod"):
         assert run in out, (run, out[-2000:])
+
+
+def test_dlrm_bench_quick_beside_tfra():
+    """Every side of the many-feature benchmark: the floor, TFRA alone and
+    under Horovod (HvdAllToAllEmbedding), tfde's layers alone, under MWMS
+    and under Horovod."""
+    tfra = _needed("TFRA_PYTHON", "the TFRA venv's python")
+    horovod = _needed("TFDE_HOROVOD_PYTHON", "the Horovod environment's python")
+    out = _bench(
+        "benchmarks.dlrm_bench", "--quick", "--horovod-python", horovod, "--tfra-horovod-python", tfra, timeout=1200
+    )
+    for row in (
+        "| 1 | floor: frozen dense tables |",
+        "| 1 | TFRA per-feature Embedding |",
+        "| 2 MWMS | tfde DistributedEmbedding | auto |",
+        "| 2 Horovod | tfde DistributedEmbedding | round_robin, column slices of 8 |",
+        "| 2 Horovod | TFRA HvdAllToAllEmbedding |",
+    ):
+        assert row in out, (row, out[-3000:])
+    assert re.search(r"\| 2 MWMS \| tfde DistributedEmbedding \| auto \| [\d.]+ \| [\d,]+ \| 4\.0 \|", out), out[-3000:]

@@ -9,7 +9,15 @@ import time
 
 import numpy as np
 import pytest
-from distributed_check import JobFailed, check_equal, check_sharded, redis_tag, run_job
+from distributed_check import (
+    JobFailed,
+    check_equal,
+    check_plan,
+    check_plans_like_one_worker,
+    check_sharded,
+    redis_tag,
+    run_job,
+)
 
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
 
@@ -249,3 +257,35 @@ if LEGACY:  # tfrs needs tf-keras: defined in the tf-keras run of scripts/test.s
         assert metric_one[-1] > 0  # top-10 of ~200 candidates: some hits
         if layout == "cuckoo":
             np.testing.assert_allclose(metric_two, metric_one, rtol=1e-6)
+
+
+# The many-feature layer: every plan, and column slices, under MWMS; with
+# tf-keras through model.fit, with Keras 3 through the custom loop.
+@pytest.mark.keras
+def test_many_features_in_one_layer_train_two_workers_like_one(tmp_path, tag):
+    """Every plan of PLAN_CASES and column slices (distributed_check.py)."""
+    check_plans_like_one_worker(tmp_path, "fit" if LEGACY else "loop", tag)
+
+
+def test_a_many_feature_checkpoint_restores_into_another_worker_count_and_plan(tmp_path, tag):
+    """tfde.saving.CheckpointManager with the many-feature layer (column
+    slices of threshold 3): 2 workers on the round_robin plan save; 1 worker
+    (rows) and 2 workers on memory_balanced restore and train on exactly as
+    the 1-worker reference does, so each table's keys reached the workers the
+    new plan gives them, with their optimizer state.  Keras 3's custom loop
+    (the Keras 3 run only: tf-keras fit saves through the same manager,
+    test_a_checkpoint_of_n_workers_restores_into_m[fit-*])."""
+    engine = "loop"
+
+    def job(workers, name, placement, **dirs):
+        extra = {"model": "many", "placement": placement, "column_slice_threshold": 3, "out": str(tmp_path / name)}
+        return run_job(tmp_path, workers, engine, "adam", "cuckoo", tag, extra={**extra, **dirs})
+
+    job(1, "first1", "rows", save_dir=str(tmp_path / "ck1"))
+    job(2, "first2", "round_robin", save_dir=str(tmp_path / "ck2"))
+    saved = sorted(p.name for p in (tmp_path / "ck2").glob("ckpt-*/*.index"))
+    assert saved == ["worker-00000-of-00002.index", "worker-00001-of-00002.index"], saved
+    reference = job(1, "ref", "rows", restore_dir=str(tmp_path / "ck1"))
+    check_equal(reference, job(1, "two_to_one", "rows", restore_dir=str(tmp_path / "ck2")))
+    check_equal(reference, job(2, "one_to_two", "memory_balanced", restore_dir=str(tmp_path / "ck1")))
+    check_plan(tmp_path, 2, "memory_balanced", prefix="one_to_two")

@@ -44,10 +44,13 @@ from tfde.variable import Variable, get_variable  # noqa: E402
 # wrapped optimizers) with Keras, so keras.models.load_model finds them after
 # a plain `import tfde`.  tf.keras is decided here: set TF_USE_LEGACY_KERAS=1
 # before importing tfde to use tf-keras.
-from tfde import keras  # noqa: E402
+from tfde import keras, plans  # noqa: E402
+from tfde.keras.configs import FeatureConfig, TableConfig  # noqa: E402
 
 __all__ = [
     "Variable",
+    "TableConfig",
+    "FeatureConfig",
     "get_variable",
     "embedding_lookup",
     "embedding_lookup_sparse",
@@ -87,4 +90,5 @@ __all__ = [
     "initializers",
     "tables",
     "keras",
+    "plans",
 ]

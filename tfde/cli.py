@@ -66,6 +66,12 @@ def _train(args) -> int:
             f"backend: Redis at {creator.config.describe_servers()}, model tag "
             f"{creator.config.model_tag_runtime!r} (rows already stored under it are reused)"
         )
+    if args.model == "dlrm":
+        return _train_dlrm(args, engine, creator, say)
+    args.epochs = 2 if args.epochs is None else args.epochs
+    args.batch_size = args.batch_size or 1024
+    args.dim = args.dim or 64
+    args.learning_rate = 0.01 if args.learning_rate is None else args.learning_rate
     t = time.perf_counter()
     if args.data:
         data = demo_data.movielens_csv(args.data, seed=args.seed)
@@ -101,14 +107,7 @@ def _train(args) -> int:
     k = args.k
     if not engine.chief:
         return 0 if result[f"recall@{k}"] > result[f"most_popular_recall@{k}"] else 1
-    ex = result["exchange"]
-    if ex and ex["steps"]:
-        steps = ex["steps"]
-        print(
-            f"exchange (worker 0): {ex['bytes'] / steps / 1024:,.1f} KiB/step handed to collectives, "
-            f"{1000 * ex['seconds'] / steps:.1f} ms/step in them of {1000 * ex['fit_seconds'] / steps:.1f} ms/step, "
-            f"{ex['calls'] / steps:.0f} calls/step"
-        )
+    _print_exchange(result["exchange"])
     shard = " (worker 0's shard)" if engine.size > 1 else ""
     print(f"rows stored{shard}: {result['user_rows']:,} users, {result['item_rows']:,} items")
     print(
@@ -123,6 +122,85 @@ def _train(args) -> int:
         print("the model did not beat the most-popular baseline", file=sys.stderr)
         return 1
     return 0
+
+
+def _train_dlrm(args, engine, creator, say) -> int:
+    """`tfde train --model dlrm`: the click model on the synthetic log or a Criteo TSV file."""
+    from tfde.demo import clicks
+    from tfde.demo.dlrm import train
+
+    epochs = 1 if args.epochs is None else args.epochs
+    batch_size = args.batch_size or 4096
+    if not 1 <= args.features <= len(clicks.CATEGORICAL):
+        print(f"tfde train: --features must be 1..{len(clicks.CATEGORICAL)}, got {args.features}", file=sys.stderr)
+        return 2
+    t = time.perf_counter()
+    if args.data:
+        data = clicks.criteo_tsv(args.data, max_examples=args.examples)
+        source = f"{args.data} (Criteo TSV, string keys)"
+    else:
+        data = clicks.synthetic(args.examples, args.max_cardinality, seed=args.seed)
+        source = f"synthetic Criteo-like log ({args.examples:,} examples, cardinalities 10..{args.max_cardinality:,})"
+    say(
+        f"workers: {engine.size} ({args.engine}), {batch_size} examples per worker and step"
+        if engine.size > 1
+        else "workers: 1"
+    )
+    say(
+        f"data: {source}: {data.num_train:,} train / {len(data.test_labels):,} held out, "
+        f"click rate {data.train_labels.mean():.3f}, made in {time.perf_counter() - t:.1f}s"
+    )
+    result = train(
+        data,
+        epochs=epochs,
+        batch_size=batch_size,
+        embedding_dim=args.dim or 16,
+        learning_rate=0.002 if args.learning_rate is None else args.learning_rate,
+        optimizer=args.optimizer,
+        seed=args.seed,
+        table_creator=creator,
+        layers=args.layers,
+        placement=args.placement,
+        verbose=1 if sys.stdout.isatty() or args.progress else 2,
+        engine=engine,
+        features=clicks.CATEGORICAL[: args.features],
+    )
+    better = result["auc"] > result["dense_baseline_auc"]
+    if not engine.chief:
+        return 0 if better else 1
+    if result["plan"]:
+        print(result["plan"])
+    _print_exchange(result["exchange"])
+    shard = " (worker 0's share)" if engine.size > 1 else ""
+    sizes = result["table_sizes"]
+    print(
+        f"rows stored{shard}: {sum(sizes.values()):,} in {len(sizes)} tables ("
+        + ", ".join(f"{n} {c:,}" for n, c in sizes.items())
+        + ")"
+    )
+    print(
+        f"final loss {result['loss']:.4f}, {result['examples_per_s']:,.0f} examples/s"
+        + (" (all workers)" if engine.size > 1 else "")
+        + f", {result['ms_per_step']:.1f} ms/step"
+    )
+    print(
+        f"held-out AUC: {result['auc']:.4f}  (logistic regression on the dense features: "
+        f"{result['dense_baseline_auc']:.4f})"
+    )
+    if not better:
+        print("the model did not beat the dense-feature baseline", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_exchange(ex) -> None:
+    if ex and ex["steps"]:
+        steps = ex["steps"]
+        print(
+            f"exchange (worker 0): {ex['bytes'] / steps / 1024:,.1f} KiB/step handed to collectives, "
+            f"{1000 * ex['seconds'] / steps:.1f} ms/step in them of {1000 * ex['fit_seconds'] / steps:.1f} ms/step, "
+            f"{ex['calls'] / steps:.1f} collectives/step"
+        )
 
 
 def _make_data(args) -> int:

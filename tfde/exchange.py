@@ -42,12 +42,78 @@ from tfde.local import local_variable
 
 
 def owner(keys, size: int):
-    """Worker (int32 in [0, size)) that owns each key.
+    """Worker (int32 in [0, size)) that owns each key of a Variable placed by
+    rows (the default placement, ROWS).
 
     ((h mod 2**32) * size) >> 32 of the key's stable hash h: the low 32 bits,
     so that ownership is independent of the shard a key takes inside a
     Variable (which uses the high 32 bits)."""
     return route_low(stable_hash(keys), size)
+
+
+class Placement:
+    """Which worker owns each key of a Variable (docs/distributed.md,
+    "Placement").  The default, ROWS, spreads every Variable's keys over
+    all workers by stable hash (`owner`); OnWorker(w) places a whole
+    Variable on one worker.  Every worker holds the same placement for a
+    Variable, so they agree on owners without asking each other."""
+
+    def owners(self, keys, size: int):
+        """int32 [k]: the worker in [0, size) that owns each of `keys`."""
+        return owner(keys, size)
+
+    def describe(self, size: int) -> str:
+        return "rows over all workers"
+
+    def __eq__(self, other):
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self):
+        return hash((type(self).__name__, tuple(sorted(vars(self).items()))))
+
+    def __repr__(self):
+        return "tfde.exchange.ROWS"
+
+
+class OnWorker(Placement):
+    """A whole Variable on worker `worker` (worker mod the job's size, so a
+    plan made for more workers still names one owner that all agree on)."""
+
+    def __init__(self, worker: int):
+        if not isinstance(worker, int) or isinstance(worker, bool) or worker < 0:
+            raise ConfigError(f"OnWorker needs a worker index >= 0, got {worker!r}")
+        self.worker = worker
+
+    def owners(self, keys, size: int):
+        return tf.fill(tf.shape(keys, out_type=tf.int32)[:1], tf.constant(self.worker % size, tf.int32))
+
+    def describe(self, size: int) -> str:
+        return f"worker {self.worker % size}"
+
+    def __repr__(self):
+        return f"tfde.exchange.OnWorker({self.worker})"
+
+
+ROWS = Placement()
+
+
+class Lookup:
+    """One Variable's part of a lookup through an exchange: `keys` [u] (its
+    deduplicated keys on this worker), find(keys) -> rows [k, d] (reads
+    this worker's store), `placement` (who owns its keys)."""
+
+    def __init__(self, keys, find, placement: Placement = ROWS):
+        self.keys, self.find, self.placement = keys, find, placement
+
+
+class Gradient:
+    """One Variable's part of a gradient exchange: `buffer_keys` [b] (its
+    step buffer's keys), this worker's gradient of the buffer as rows
+    `values` [m, d] at buffer positions `indices` [m] (repeats allowed),
+    `placement` (who owns its keys)."""
+
+    def __init__(self, buffer_keys, indices, values, placement: Placement = ROWS):
+        self.buffer_keys, self.indices, self.values, self.placement = buffer_keys, indices, values, placement
 
 
 class Exchange:
@@ -70,20 +136,33 @@ class Exchange:
         then take part in every call, with zeros where it has nothing)."""
         return self.size > 1
 
-    def rows_for(self, unique_keys, find):
+    def rows_for(self, unique_keys, find, placement: Placement = ROWS):
         """unique_keys [u]: this worker's deduplicated keys; find(keys) ->
         [k, d] reads this worker's store.  Returns (buffer_keys [b],
         buffer_rows [b, d], positions [u] of unique_keys in the buffer, or
         None when the buffer is unique_keys itself)."""
-        return unique_keys, find(unique_keys), None
+        return self.rows_for_many([Lookup(unique_keys, find, placement)])[0]
 
-    def owner_gradients(self, buffer_keys, indices, values):
+    def rows_for_many(self, lookups: list) -> list:
+        """rows_for of several Variables (Lookup parts) at once: one list of
+        (buffer_keys, buffer_rows, positions) in the order of `lookups`.
+        Engines move every part in the same collectives, so their number
+        does not grow with the number of Variables (docs/distributed.md,
+        "One exchange per step")."""
+        return [(p.keys, p.find(p.keys), None) for p in lookups]
+
+    def owner_gradients(self, buffer_keys, indices, values, placement: Placement = ROWS):
         """buffer_keys [b]: the step buffer's keys; this worker's gradient of
         the buffer as rows `values` [m, d] at buffer positions `indices` [m]
         (repeats allowed).  Returns (keys [k] this worker owns and must
         update, their gradients [k, d] summed over workers and over
         duplicate keys)."""
-        return sum_per_key(tf.gather(buffer_keys, indices), values)
+        return self.owner_gradients_many([Gradient(buffer_keys, indices, values, placement)])[0]
+
+    def owner_gradients_many(self, parts: list) -> list:
+        """owner_gradients of several Variables (Gradient parts) at once, in
+        the same collectives: a list of (keys, gradients) in their order."""
+        return [sum_per_key(tf.gather(p.buffer_keys, p.indices), p.values) for p in parts]
 
     def gradient_scale(self, optimizer) -> float:
         """Factor for owner_gradients' sums when `optimizer` applies them: 1
@@ -106,9 +185,9 @@ class Exchange:
         it differentiates: an engine whose optimizer wrapper averages every
         gradient is told to leave step buffers to the exchange."""
 
-    def owned(self, keys):
+    def owned(self, keys, placement: Placement = ROWS):
         """bool [k]: which keys this worker owns."""
-        return tf.equal(owner(keys, self.size), self.rank)
+        return tf.equal(placement.owners(keys, self.size), self.rank)
 
 
 LOCAL = Exchange()  # the exchange of a process that trains alone

@@ -117,7 +117,7 @@ class _WorkerView:
         """bool mask of the keys this worker decides for, or None for all."""
         if self.host is None or not self.shared:
             return None
-        return exchange.owner(keys_tensor, self.host.size).numpy() == self.host.rank
+        return self.variable.placement.owners(keys_tensor, self.host.size).numpy() == self.host.rank
 
 
 def global_size(variable) -> int:

@@ -16,7 +16,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import horovod.tensorflow.keras as hvd_keras  # noqa: E402  (a missing Horovod fails here, loudly)
 import tensorflow as tf  # noqa: E402
-from distributed_check import JobFailed, check_equal, check_sharded, redis_tag, run_job  # noqa: E402
+from distributed_check import (  # noqa: E402
+    JobFailed,
+    check_equal,
+    check_plans_like_one_worker,
+    check_sharded,
+    redis_tag,
+    run_job,
+)
 
 import tfde  # noqa: E402
 
@@ -58,6 +65,25 @@ def test_any_train_step_is_exact(tmp_path, tag, model, wrap, optimizer, layout):
     extra = {"model": model, "hvd_wrap": wrap}
     one = run_job(tmp_path, 1, "hvd", optimizer, layout, tag, extra=extra)
     two = run_job(tmp_path, 2, "hvd", optimizer, layout, tag, extra=extra)
+    check_equal(one, two)
+
+
+def test_many_features_in_one_layer_train_two_workers_like_one(tmp_path, tag):
+    """The many-feature layer (tests/distributed_job.py, model "many") with
+    model.fit and hvd.DistributedOptimizer(tfde.DynamicEmbeddingOptimizer(
+    Adam)): every plan of PLAN_CASES, column slices too, routed through the
+    all-to-all."""
+    check_plans_like_one_worker(tmp_path, "hvd", tag)
+
+
+@pytest.mark.parametrize("layout", ["cuckoo", "redis"])
+def test_many_features_with_a_tfrs_style_train_step_are_exact(tmp_path, tag, layout):
+    """The many-feature layer under a train_step calling tape.gradient and
+    apply_gradients (as tfrs.Model's does): tfde averages what Horovod's
+    optimizer does not."""
+    extra = {"model": "many", "custom_step": True, "placement": "memory_balanced"}
+    one = run_job(tmp_path, 1, "hvd", "adam", layout, tag, extra=extra)
+    two = run_job(tmp_path, 2, "hvd", "adam", layout, tag, extra=extra)
     check_equal(one, two)
 
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List
+from typing import List, Optional
 
 ENGINES = ("mwms", "horovod")
 POLL_S = 0.5
@@ -45,15 +45,20 @@ def tf_config(ports: List[int], index: int) -> str:
     )
 
 
-def run_local(argv: List[str], workers: int, engine: str = "mwms", env=None) -> int:
-    """Runs `python -m tfde_cli *argv` as `workers` processes; returns the exit status."""
+def run_local(
+    argv: List[str], workers: int, engine: str = "mwms", env=None, program: Optional[List[str]] = None
+) -> int:
+    """Runs `python -m tfde_cli *argv` as `workers` processes; returns the exit status.
+    program: what each worker runs instead of `python -m tfde_cli` (e.g. [python, script.py]; a
+    benchmark's worker in another environment), argv coming after it."""
+    program = list(program) if program else [sys.executable, "-m", "tfde_cli"]
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     env = dict(os.environ if env is None else env)
     if engine == "horovod":
-        horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or shutil.which("horovodrun")
+        horovodrun = shutil.which("horovodrun", path=os.path.dirname(program[0])) or shutil.which("horovodrun")
         if horovodrun is None:
             raise FileNotFoundError(
                 "horovodrun not found: install Horovod in this environment (HOROVOD_WITH_TENSORFLOW=1 "
@@ -67,9 +72,7 @@ def run_local(argv: List[str], workers: int, engine: str = "mwms", env=None) -> 
             "-H",
             f"localhost:{workers}",
             "--gloo",
-            sys.executable,
-            "-m",
-            "tfde_cli",
+            *program,
             *argv,
         ]
         return subprocess.call(cmd, env=env)
@@ -80,7 +83,7 @@ def run_local(argv: List[str], workers: int, engine: str = "mwms", env=None) -> 
         out = None if i == 0 else open(os.path.join(logs, f"worker-{i}.log"), "w")
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tfde_cli", *argv],
+                [*program, *argv],
                 env={**env, "TF_CONFIG": tf_config(ports, i)},
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,

@@ -28,7 +28,7 @@ import os
 import tensorflow as tf
 
 from tfde import exchange
-from tfde.distributed.keys import strings_from_codes, transport_keys
+from tfde.distributed.keys import carrier_dtype, pack_keys, strings_from_codes
 from tfde.errors import ConfigError
 from tfde.hashing import stable_hash
 from tfde.local import local_variable
@@ -49,22 +49,62 @@ class GatherExchange(exchange.Exchange):
     def _sum(self, tensor):
         return exchange.measured(lambda t: self.ctx.all_reduce(tf.distribute.ReduceOp.SUM, t), tensor)
 
-    def rows_for(self, unique_keys, find):
-        sizes = self._gather(tf.shape(unique_keys, out_type=tf.int32)[:1])
-        every = transport_keys(unique_keys, self._gather, lambda n: tf.reduce_max(self._gather(n[None])))
-        union, index = tf.unique(every, out_idx=tf.int32)
-        start = tf.reduce_sum(sizes[: self.rank])
-        mine = index[start : start + tf.shape(unique_keys)[0]]
-        rows = find(union)
-        rows = tf.where(self.owned(union)[:, None], rows, tf.zeros_like(rows))
-        return union, self._sum(rows), mine
+    def _sum_many(self, tensors):
+        """Each tensor of `tensors` summed over the workers, in one all-reduce."""
+        if len(tensors) == 1:
+            return [self._sum(tensors[0])]
+        carrier = carrier_dtype([t.dtype for t in tensors])
+        flats = [tf.reshape(tf.cast(t, carrier), [-1]) for t in tensors]
+        # The sizes are taken before the all-reduce: measured, tf.size of
+        # these tensors read 0 when computed after it in a graph.
+        shapes = [tf.shape(t) for t in tensors]
+        sizes = tf.stack([tf.shape(f)[0] for f in flats])
+        summed = self._sum(tf.concat(flats, 0))
+        pieces = tf.split(summed, sizes, num=len(tensors))
+        out = [tf.cast(tf.reshape(p, shape), t.dtype) for p, shape, t in zip(pieces, shapes, tensors)]
+        for o, t in zip(out, tensors):
+            o.set_shape(t.shape)
+        return out
 
-    def owner_gradients(self, buffer_keys, indices, values):
-        # The buffer is the same on every worker: sum per buffer row, then per key.
-        grads = tf.math.unsorted_segment_sum(values, indices, tf.shape(buffer_keys)[0])
-        keys, summed = exchange.sum_per_key(buffer_keys, self._sum(grads))
-        mask = self.owned(keys)
-        return tf.boolean_mask(keys, mask), tf.boolean_mask(summed, mask)
+    def rows_for_many(self, lookups):
+        # One all-gather of every part's key count, one of every part's keys
+        # (string keys: one more, for their longest length), one all-reduce
+        # of every part's rows: the same three collectives for any number of
+        # Variables.
+        parts = len(lookups)
+        counts = tf.stack([tf.shape(p.keys, out_type=tf.int32)[0] for p in lookups])
+        sizes = tf.reshape(self._gather(counts), [self.size, parts])  # [worker, part]
+        packed, unpack = pack_keys([p.keys for p in lookups], lambda n: tf.reduce_max(self._gather(n[None])))
+        every = self._gather(packed)  # worker after worker, each worker's parts in order
+        if parts == 1:
+            pieces = [every]
+        else:
+            part_of = tf.repeat(tf.tile(tf.range(parts), [self.size]), tf.reshape(sizes, [-1]))
+            pieces = tf.dynamic_partition(every, part_of, parts)
+        out, rows = [], []
+        for i, p in enumerate(lookups):
+            union, index = tf.unique(unpack(pieces[i], i), out_idx=tf.int32)
+            start = tf.reduce_sum(sizes[: self.rank, i])
+            mine = index[start : start + counts[i]]
+            # The owner reads its keys; zeros elsewhere make the sum exact.
+            owned = tf.cast(tf.where(self.owned(union, p.placement))[:, 0], tf.int32)
+            found = p.find(tf.gather(union, owned))
+            shape = tf.stack([tf.size(union), found.shape[-1]])
+            # The union's length, not the owned keys' (known in eager mode).
+            rows.append(tf.ensure_shape(tf.scatter_nd(owned[:, None], found, shape), [None, found.shape[-1]]))
+            out.append((union, mine))
+        return [(union, summed, mine) for (union, mine), summed in zip(out, self._sum_many(rows))]
+
+    def owner_gradients_many(self, parts):
+        # Each buffer is the same on every worker: sum per buffer row, then
+        # all-reduce every part's sums at once, then sum per key.
+        sums = [tf.math.unsorted_segment_sum(p.values, p.indices, tf.shape(p.buffer_keys)[0]) for p in parts]
+        out = []
+        for p, summed_rows in zip(parts, self._sum_many(sums)):
+            keys, summed = exchange.sum_per_key(p.buffer_keys, summed_rows)
+            mask = self.owned(keys, p.placement)
+            out.append((tf.boolean_mask(keys, mask), tf.boolean_mask(summed, mask)))
+        return out
 
 
 class DatasetGatherExchange(exchange.Exchange):
@@ -149,10 +189,15 @@ class DatasetGatherExchange(exchange.Exchange):
                 tensor,
             )
 
-    def rows_for(self, unique_keys, find):
-        return self._one_at_a_time.execute(lambda: self._rows_for(unique_keys, find), exclusive_resource_access=False)
+    def rows_for(self, unique_keys, find, placement=exchange.ROWS):
+        return self._one_at_a_time.execute(
+            lambda: self._rows_for(unique_keys, find, placement), exclusive_resource_access=False
+        )
 
-    def _rows_for(self, unique_keys, find):
+    def rows_for_many(self, lookups):
+        return [self.rows_for(p.keys, p.find, p.placement) for p in lookups]
+
+    def _rows_for(self, unique_keys, find, placement):
         heads_key, blocks_key, rows_key = self._instance_keys()
         gather, reduce = tf.raw_ops.CollectiveGatherV2, tf.raw_ops.CollectiveReduceV2
         count = tf.shape(unique_keys, out_type=tf.int64)[0]
@@ -203,7 +248,7 @@ class DatasetGatherExchange(exchange.Exchange):
         start = tf.cast(tf.reduce_sum(counts[:rank]), tf.int32)
         mine = index[start : start + tf.cast(count, tf.int32)]
         rows = find(union)
-        rows = tf.where(tf.equal(exchange.owner(union, self.size), rank)[:, None], rows, tf.zeros_like(rows))
+        rows = tf.where(tf.equal(placement.owners(union, self.size), rank)[:, None], rows, tf.zeros_like(rows))
         carrier = tf.float64 if rows.dtype == tf.float64 else tf.float32  # exact for every row dtype
         fingerprint = self._fingerprint(union)
         summed = self._collective(

@@ -2,7 +2,7 @@
 
 import tensorflow as _tf
 
-from tfde.keras import callbacks, layers
+from tfde.keras import callbacks, collection, layers
 from tfde.keras.loading import load_model
 from tfde.optimizer import refuse_plain_optimizers as _refuse_plain
 from tfde.optimizer import register_keras_optimizers as _register
@@ -31,5 +31,9 @@ def _autograph_leaves_tf_keras():
 
 
 _autograph_leaves_tf_keras()
+
+# The many-feature layer is spelled tfde.keras.layers.DistributedEmbedding,
+# beside the Embedding layers it is made of (collection.py imports layers.py).
+layers.DistributedEmbedding = collection.DistributedEmbedding
 
 __all__ = ["callbacks", "layers", "load_model"]

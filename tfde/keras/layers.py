@@ -96,6 +96,17 @@ def _component_from_config(cfg):
     return cls(**cfg.get("config", {}))
 
 
+def objects_from_config(config: dict) -> dict:
+    """A copy of a layer or table config with its initializer, table creator,
+    restrict policy and admission filter made again from their configs."""
+    config = dict(config)
+    config["initializer"] = _deserialize_initializer(config.get("initializer"))
+    config["table_creator"] = creator_from_config(config.get("table_creator"))
+    for name in ("restrict_policy", "admission_filter"):
+        config[name] = _component_from_config(config.get(name))
+    return config
+
+
 # Keyword arguments of TFRA's dynamic_embedding Embedding layers that tfde's
 # layers do not take, each with what to write instead.  Without this screen
 # Keras would answer them with its generic "Keyword argument not understood";
@@ -145,7 +156,9 @@ class Embedding(_keras.layers.Layer):
       combiner: None, or 'sum' / 'mean' / 'sqrtn' to reduce the last axis of
         the ids: ``[batch, n]`` ids give ``[batch, dim]``.
       num_shards, table_creator, restrict_policy, admission_filter, seed,
-        track_changes: as tfde.Variable.
+        track_changes, placement: as tfde.Variable (placement is not part
+        of the layer's config: it depends on the job; DistributedEmbedding
+        sets it from its plan).
       Inputs may also be a tf.SparseTensor or tf.RaggedTensor of ids
         (combined per row with `combiner`, 'mean' if None).  Int tables take
         ids of any int or float dtype, each checked to be a whole number in
@@ -174,6 +187,7 @@ class Embedding(_keras.layers.Layer):
         seed: Optional[int] = None,
         name: Optional[str] = None,
         track_changes: bool = False,
+        placement: Optional[Any] = None,
         **kwargs: Any,
     ) -> None:
         _refuse_tfra_kwargs(type(self).__name__, kwargs)
@@ -213,6 +227,7 @@ class Embedding(_keras.layers.Layer):
             admission_filter=admission_filter,
             trainable=self.trainable,
             track_changes=track_changes,
+            placement=placement,
         )
         self.embedding_size = self.params.dim  # an int (embedding_size may be a numpy integer)
         if self.params.trainable:
@@ -326,12 +341,7 @@ class Embedding(_keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config: dict) -> "Embedding":
-        config = dict(config)
-        config["initializer"] = _deserialize_initializer(config.get("initializer"))
-        config["table_creator"] = creator_from_config(config.get("table_creator"))
-        for name in ("restrict_policy", "admission_filter"):
-            config[name] = _component_from_config(config.get(name))
-        return cls(**config)
+        return cls(**objects_from_config(config))
 
 
 @_keras.utils.register_keras_serializable(package="tfde")

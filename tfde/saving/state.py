@@ -58,10 +58,10 @@ def files_dir(var) -> Optional[str]:
     return var.tables[0].files_dir
 
 
-def _owned(keys, rows, rank, size):
+def _owned(var, keys, rows, rank, size):
     if size <= 1:
         return keys, rows
-    mine = tf.equal(exchange.owner(keys, size), rank)
+    mine = tf.equal(var.placement.owners(keys, size), rank)
     return tf.boolean_mask(keys, mine), tf.boolean_mask(rows, mine)
 
 
@@ -85,7 +85,7 @@ def save_variable(var, writer: fmt.ChunkWriter) -> None:
             sm = meta.streams[stream] = fmt.StreamMeta(v.dim, v.value_dtype.name, initial)
             chunks = v.export(fmt.chunk_rows(v.dim, v.value_dtype))
             if shared:  # a shared store: each worker writes the keys it owns
-                chunks = (_owned(keys, rows, rank, size) for keys, rows in chunks)
+                chunks = (_owned(var, keys, rows, rank, size) for keys, rows in chunks)
             fmt.write_stream(writer, stream, sm, chunks)
     if external is not None:
         writer.finish(meta)
@@ -194,7 +194,7 @@ def restore_variable(var, readers: Sequence[fmt.ChunkReader]) -> None:
                 if target is None:  # e.g. admission counts saved, no filter now: nothing to put them in
                     continue
                 for keys, rows in fmt.read_stream(reader, stream, meta, target.key_dtype, target.value_dtype):
-                    keys, rows = _owned(keys, rows, rank, size)
+                    keys, rows = _owned(var, keys, rows, rank, size)
                     target.upsert(keys, rows)
     except CheckpointError as e:  # the files changed between the two passes
         raise CheckpointError(
