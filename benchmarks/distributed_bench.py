@@ -9,7 +9,7 @@ layouts.  Each run is `tfde train --exchange-stats` on the same synthetic data
 (200K interactions, 1 epoch, 1024 examples per worker and step, tf-keras).
 
   python -m benchmarks.distributed_bench [--horovod-python PATH] [--interactions 200000]
-  python -m benchmarks.distributed_bench --quick      # small data, every run once (what CI runs)
+  python -m benchmarks.distributed_bench --quick      # small data; each engine and layout once (what CI runs)
 
 Horovod runs use an interpreter whose environment has Horovod (TF 2.16):
 by default the one scripts/test.sh builds (~/.cache/tfde/venvs/horovod-*).
@@ -47,7 +47,7 @@ def parse(out: str) -> dict:
         r["recall"] = float(m.group(1))
     m = re.search(
         r"exchange \(worker 0\): ([\d,.]+) KiB/step handed to collectives, ([\d.]+) ms/step in them of "
-        r"([\d.]+) ms/step, (\d+) calls/step",
+        r"([\d.]+) ms/step, ([\d.]+) collectives/step",
         out,
     )
     if m:
@@ -55,7 +55,7 @@ def parse(out: str) -> dict:
             kib_per_step=float(m.group(1).replace(",", "")),
             exchange_ms=float(m.group(2)),
             step_ms=float(m.group(3)),
-            calls=int(m.group(4)),
+            calls=float(m.group(4)),
         )
     return r
 
@@ -117,7 +117,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="40K interactions of 2K users and 1K items: every run once, in about a minute",
+        help="40K interactions of 2K users and 1K items; 1 worker, 2 MWMS workers on Redis, 2 Horovod workers on "
+        "cuckoo, once each, in about a minute",
     )
     args = p.parse_args(argv)
     users, items = (2_000, 1_000) if args.quick else (20_000, 5_000)
@@ -142,6 +143,12 @@ def main(argv=None) -> int:
             "no Horovod environment found (run scripts/test.sh once, or pass --horovod-python): Horovod skipped",
             file=sys.stderr,
         )
+    if args.quick:  # each engine and each layout once: 1 worker, MWMS on Redis, Horovod on cuckoo
+        runs = [
+            r
+            for r in runs
+            if (r[2], r[3], r[4]) in ((1, "mwms", "cuckoo"), (2, "mwms", "redis"), (2, "horovod", "cuckoo"))
+        ]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, python, workers, engine, backend in runs:
