@@ -155,7 +155,9 @@ def build(cfg: dict, data: dict, engine, features: list):
                     extra = {"devices": ["CPU"], "mpi_size": engine.size}
                 else:
                     make, extra = de.keras.layers.Embedding, {"devices": ["/CPU:0"]}
-                self.tables = [make(dim, key_dtype=tf.int64, initializer=init, name=name, **extra) for name in features]
+                # embedding_size by name: HvdAllToAllEmbedding takes with_unique first.
+                kw = {"key_dtype": tf.int64, "initializer": init, **extra}
+                self.tables = [make(embedding_size=dim, name=name, **kw) for name in features]
 
             def sparse_vectors(self, f, training=None):
                 return [t(f[name]) for t, name in zip(self.tables, features)]

@@ -241,29 +241,29 @@ class TableApplyOp : public OpKernel {
       part.indices = &indices[p];
       part.grads = &grads[p];
       const int64_t b = keys[p].dims() == 1 ? keys[p].dim_size(0) : -1;
-      OP_REQUIRES(ctx, b >= 0,
-                  errors::InvalidArgument("part ", p, ": keys must be a vector, got shape ",
-                                          keys[p].shape().DebugString()));
+      OP_REQUIRES(
+          ctx, b >= 0,
+          errors::InvalidArgument("part ", p, ": keys must be a vector, got shape ", keys[p].shape().DebugString()));
       OP_REQUIRES(ctx, indices[p].dims() == 1,
                   errors::InvalidArgument("part ", p, ": indices must be a vector, got shape ",
                                           indices[p].shape().DebugString()));
       const int64_t m = indices[p].dim_size(0);
-      OP_REQUIRES(ctx, grads[p].dims() == 2 && grads[p].dim_size(0) == m && grads[p].dim_size(1) == dim,
-                  errors::InvalidArgument("part ", p, ": grads must have shape [", m, ", ", dim, "] for ", m,
-                                          " indices and a ", part.table->Describe(), ", got ",
-                                          grads[p].shape().DebugString()));
+      OP_REQUIRES(
+          ctx, grads[p].dims() == 2 && grads[p].dim_size(0) == m && grads[p].dim_size(1) == dim,
+          errors::InvalidArgument("part ", p, ": grads must have shape [", m, ", ", dim, "] for ", m, " indices and a ",
+                                  part.table->Describe(), ", got ", grads[p].shape().DebugString()));
       const int32_t* idx = indices[p].flat<int32_t>().data();
       for (int64_t j = 0; j < m; ++j) {
-        OP_REQUIRES(ctx, idx[j] >= 0 && idx[j] < b,
-                    errors::InvalidArgument("part ", p, ": indices[", j, "] = ", idx[j], " is outside the ", b,
-                                            " keys"));
+        OP_REQUIRES(
+            ctx, idx[j] >= 0 && idx[j] < b,
+            errors::InvalidArgument("part ", p, ": indices[", j, "] = ", idx[j], " is outside the ", b, " keys"));
       }
       const Tensor& d = defaults[p];
       const bool given = d.dims() == 2 && d.dim_size(0) == b && d.dim_size(1) == dim;
       const bool none = !given && d.dims() == 2 && d.dim_size(0) == 0 && d.dim_size(1) == dim;
       OP_REQUIRES(ctx, given || none,
-                  errors::InvalidArgument("part ", p, ": defaults must have shape [", b, ", ", dim, "] or [0, ",
-                                          dim, "], got ", d.shape().DebugString()));
+                  errors::InvalidArgument("part ", p, ": defaults must have shape [", b, ", ", dim, "] or [0, ", dim,
+                                          "], got ", d.shape().DebugString()));
       OP_REQUIRES(ctx, given || inits_[p].kind != InitKind::kDefaults,
                   errors::InvalidArgument("part ", p, ": init_kind 'defaults' needs a defaults row per key"));
       part.defaults = given ? &d : nullptr;
@@ -283,16 +283,15 @@ class TableApplyOp : public OpKernel {
                      const C* h = hyper.flat<C>().data();
                      for (int i = 0; i < spec_.NumHyper(); ++i) hy.h[i] = h[i];
                      std::vector<int64_t> counts(n_, 0);
-                     OP_REQUIRES_OK(ctx, RunParts(
-                                             ctx, n_,
-                                             [&](int p) {
-                                               Hyper<C> part_hy = hy;
-                                               if (!parts[p].decay) part_hy.h[1] = C(0);
-                                               counts[p] = ApplyPart<TK, V, C>(parts[p], part_hy);
-                                             },
-                                             [&](int p) {
-                                               return parts[p].indices->NumElements() * parts[p].table->dim();
-                                             }));
+                     OP_REQUIRES_OK(
+                         ctx, RunParts(
+                                  ctx, n_,
+                                  [&](int p) {
+                                    Hyper<C> part_hy = hy;
+                                    if (!parts[p].decay) part_hy.h[1] = C(0);
+                                    counts[p] = ApplyPart<TK, V, C>(parts[p], part_hy);
+                                  },
+                                  [&](int p) { return parts[p].indices->NumElements() * parts[p].table->dim(); }));
                      for (int p = 0; p < n_; ++p) written[p]->scalar<int64_t>()() = counts[p];
                    }));
   }
@@ -305,9 +304,9 @@ class TableApplyOp : public OpKernel {
     TableResource* raw = ResolveAny(ctx, input, holder);
     if (raw == nullptr) return nullptr;
     if (raw->key_dtype() != key_dtype_ || raw->value_dtype() != value_dtype_ || (of && raw->dim() != of->dim())) {
-      ctx->CtxFailure(errors::InvalidArgument(
-          "input ", input, " is a ", raw->Describe(), "; this apply takes ", DataTypeString(key_dtype_), " -> ",
-          DataTypeString(value_dtype_), " tables", of ? " of dim " + std::to_string(of->dim()) : std::string()));
+      ctx->CtxFailure(errors::InvalidArgument("input ", input, " is a ", raw->Describe(), "; this apply takes ",
+                                              DataTypeString(key_dtype_), " -> ", DataTypeString(value_dtype_),
+                                              " tables", of ? " of dim " + std::to_string(of->dim()) : std::string()));
       return nullptr;
     }
     return static_cast<TypedTable<K>*>(raw);
@@ -436,9 +435,9 @@ class TableLookupOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("init_p1", &p1));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("init_seed", &seeds));
     const size_t n = static_cast<size_t>(n_);
-    OP_REQUIRES(ctx, kinds.size() == n && p0.size() == n && p1.size() == n && seeds.size() == n && dims_.size() == n,
-                errors::InvalidArgument("dims, init_kind, init_p0, init_p1 and init_seed need one entry per part (", n_,
-                                        ")"));
+    OP_REQUIRES(
+        ctx, kinds.size() == n && p0.size() == n && p1.size() == n && seeds.size() == n && dims_.size() == n,
+        errors::InvalidArgument("dims, init_kind, init_p0, init_p1 and init_seed need one entry per part (", n_, ")"));
     inits_.resize(n);
     for (size_t i = 0; i < n; ++i) {
       try {
@@ -481,9 +480,9 @@ class TableLookupOp : public OpKernel {
                   errors::InvalidArgument("part ", p, " is a ", raw->Describe(), "; this lookup takes ",
                                           DataTypeString(key_dtype_), " -> ", DataTypeString(value_dtype_), "[",
                                           dims_[p], "]"));
-      OP_REQUIRES(ctx, keys[p].dims() == 1,
-                  errors::InvalidArgument("part ", p, ": keys must be a vector, got shape ",
-                                          keys[p].shape().DebugString()));
+      OP_REQUIRES(
+          ctx, keys[p].dims() == 1,
+          errors::InvalidArgument("part ", p, ": keys must be a vector, got shape ", keys[p].shape().DebugString()));
       tables[p] = static_cast<TypedTable<K>*>(raw);
     }
     std::vector<std::unique_ptr<Distinct<typename KeyViews<TK>::View>>> distinct(n_);
@@ -506,21 +505,25 @@ class TableLookupOp : public OpKernel {
     }
     OP_REQUIRES_OK(ctx, WithValueType(value_dtype_, [&](auto v) {
                      using V = decltype(v);
-                     OP_REQUIRES_OK(ctx, RunParts(ctx, n_, [&](int p) {
-                                      const auto& d = *distinct[p];
-                                      const int64_t u = static_cast<int64_t>(d.first.size()), dim = dims_[p];
-                                      std::vector<typename KeyViews<TK>::View> ukeys(u);
-                                      for (int64_t k = 0; k < u; ++k) ukeys[k] = views[p]->data[d.first[k]];
-                                      char* out = const_cast<char*>(rows[p]->tensor_data().data());
-                                      const int64_t vb = tables[p]->value_bytes();
-                                      const InitSpec& init = inits_[p];
-                                      tables[p]->core.Find(
-                                          ukeys.data(), u, SerialFor,
-                                          [&](int64_t k, const char* row) { std::memcpy(out + k * vb, row, vb); },
-                                          [&](int64_t k, uint64_t hash) {
-                                            FillInitialRow<V>(init, hash, dim, reinterpret_cast<V*>(out + k * vb));
-                                          });
-                                    }, [&](int p) { return keys[p].dim_size(0) * dims_[p]; }));
+                     OP_REQUIRES_OK(ctx,
+                                    RunParts(
+                                        ctx, n_,
+                                        [&](int p) {
+                                          const auto& d = *distinct[p];
+                                          const int64_t u = static_cast<int64_t>(d.first.size()), dim = dims_[p];
+                                          std::vector<typename KeyViews<TK>::View> ukeys(u);
+                                          for (int64_t k = 0; k < u; ++k) ukeys[k] = views[p]->data[d.first[k]];
+                                          char* out = const_cast<char*>(rows[p]->tensor_data().data());
+                                          const int64_t vb = tables[p]->value_bytes();
+                                          const InitSpec& init = inits_[p];
+                                          tables[p]->core.Find(
+                                              ukeys.data(), u, SerialFor,
+                                              [&](int64_t k, const char* row) { std::memcpy(out + k * vb, row, vb); },
+                                              [&](int64_t k, uint64_t hash) {
+                                                FillInitialRow<V>(init, hash, dim, reinterpret_cast<V*>(out + k * vb));
+                                              });
+                                        },
+                                        [&](int p) { return keys[p].dim_size(0) * dims_[p]; }));
                    }));
   }
 
