@@ -74,14 +74,22 @@ def run_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None, load_
             p.kill()
     for i, (p, out) in enumerate(zip(procs, outputs)):
         if p.returncode != 0:
-            raise JobFailed(f"worker {i} of {workers} failed (exit {p.returncode}):\n{out[-4000:]}", out)
+            every = "\n".join(
+                f"--- worker {j} (exit {q.returncode}):\n{o}" for j, (q, o) in enumerate(zip(procs, outputs))
+            )
+            raise JobFailed(f"worker {i} of {workers} failed (exit {p.returncode}):\n{out[-4000:]}", out, every)
     return load(cfg["out"]) if load_out else None
 
 
 class JobFailed(AssertionError):
-    def __init__(self, message, output):
+    """A job failed: .output is the first failing worker's output, .every
+    every worker's (the first to fail need not be the one that says why: a
+    worker can crash at exit while its partner's collective times out)."""
+
+    def __init__(self, message, output, every=None):
         super().__init__(message)
         self.output = output
+        self.every = output if every is None else every
 
 
 def load(prefix):

@@ -211,8 +211,8 @@ def test_a_read_in_a_tf_data_function_that_one_worker_runs_more_often_fails(tmp_
     engine = "fit" if LEGACY else "loop"
     with pytest.raises(JobFailed) as failed:
         run_job(tmp_path, 2, engine, "sgd", "cuckoo", tag, extra={"tfdata_read": "unequal", "timeout_s": 20})
-    assert re.search(r"[Tt]imeout|timed out|DeadlineExceeded|Collective ops is aborted", failed.value.output), (
-        failed.value.output[-3000:]
+    assert re.search(r"[Tt]imeout|timed out|DeadlineExceeded|Collective ops is aborted", failed.value.every), (
+        failed.value.every[-3000:]
     )
 
 
