@@ -86,10 +86,9 @@ class JobFailed(AssertionError):
     every worker's (the first to fail need not be the one that says why: a
     worker can crash at exit while its partner's collective times out)."""
 
-    def __init__(self, message, output, every=None):
+    def __init__(self, message, output, every):
         super().__init__(message)
-        self.output = output
-        self.every = output if every is None else every
+        self.output, self.every = output, every
 
 
 def load(prefix):
