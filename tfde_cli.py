@@ -217,7 +217,10 @@ def _tensorflow_lines_dropped():
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if getattr(args, "data", None) and not os.path.isfile(args.data):
+        p.error(f"--data {args.data}: no such file (give a ratings CSV or a Criteo TSV, or leave --data out)")
     args.argv = argv
     # Only the `tfde` script sets up the process: a program that calls
     # main() has imported TensorFlow already, and its settings stand.

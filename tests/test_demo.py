@@ -143,6 +143,17 @@ def test_movielens_csv_writer_round_trips_through_the_reader(tmp_path):
     assert (open(ratings_path, "rb").read(), open(movies_path).read()) == first  # deterministic, replaced
 
 
+def test_train_with_a_missing_data_file_says_so_before_any_work(tmp_path, capsys):
+    """A mistyped --data path (either model) is a usage error naming the path,
+    not a traceback from deep in the reader after TensorFlow started."""
+    for model in ("two-tower", "dlrm"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["train", "--model", model, "--data", str(tmp_path / "ratings.csv")])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--data {tmp_path / 'ratings.csv'}: no such file" in err, err
+
+
 def test_make_data_command(tmp_path, capsys):
     assert cli.main(["make-data", str(tmp_path / "d"), "--ratings", "500", "--seed", "2"]) == 0
     assert "wrote 500 ratings" in capsys.readouterr().out
