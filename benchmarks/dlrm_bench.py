@@ -196,11 +196,14 @@ def write_data(path: Path, args) -> None:
 
 
 def median_of(rounds: list) -> dict:
+    """Every figure's median over the rounds; counts (ints) take the lower
+    median, a value one round measured, so they stay whole numbers."""
     out = dict(rounds[0])
     for key, value in rounds[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             values = [r[key] for r in rounds if r.get(key) is not None]
-            out[key] = statistics.median(values) if values else None
+            middle = statistics.median_low if isinstance(value, int) else statistics.median
+            out[key] = middle(values) if values else None
     out["rounds"] = len(rounds)
     return out
 

@@ -94,6 +94,27 @@ def test_distributed_bench_quick_with_both_engines():
         assert run in out, (run, out[-2000:])
 
 
+def test_dlrm_bench_table_of_several_rounds():
+    # The median of two rounds' collective op counts [10, 10] was 10.0, which
+    # the table's integer column refused after a 36-minute run: counts stay ints.
+    import argparse
+
+    from benchmarks import dlrm_bench
+
+    one = {"steps": 43, "ms_per_step": 100.0, "examples_per_s": 80000.0, "loss": 0.5, "auc": 0.86}
+    one.update(collective_ops_in_step=10, exchange_calls_per_step=4.0, plan=None)
+    median = dlrm_bench.median_of([one, {**one, "ms_per_step": 120.0, "collective_ops_in_step": 12}])
+    assert median["ms_per_step"] == 110.0 and median["collective_ops_in_step"] == 10
+    assert median["rounds"] == 2
+    run = ("tfde DistributedEmbedding", "tfde", "collection", ("auto", None), 2, "mwms", "python", "tf-keras")
+    args = argparse.Namespace(
+        features=26, max_cardinality=10**6, dim=16, batch_size=4096, examples=1000, skip=5, rounds=2
+    )
+    info = {"cpu": "cpu", "cores": 2, "git": "abc", "tf": "2.21"}
+    text = dlrm_bench.table([{**median, "run": run}], info, args)
+    assert "| 2 MWMS | tfde DistributedEmbedding | auto | 110.0 | 80,000 | 4.0 | – | – | 10 | 0.8600 |" in text
+
+
 def test_dlrm_bench_quick_beside_tfra():
     """Every side of the many-feature benchmark: the floor, TFRA alone and
     under Horovod (HvdAllToAllEmbedding), tfde's layers alone, under MWMS

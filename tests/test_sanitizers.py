@@ -28,9 +28,15 @@ SEED = int(os.environ.get("TFDE_STRESS_SEED") or random.SystemRandom().randrange
 # What makes a sanitizer stop at its first report with exit status 66, and
 # the text its reports start with.
 SANITIZERS = {
+    # detect_deadlocks=0: TSan's lock-order checker follows at most 64 mutexes
+    # held by one thread and aborts beyond that ("CHECK failed:
+    # sanitizer_deadlock_detector.h"), and CuckooTable::WithRows holds a
+    # table's 64 shard locks while it holds the next table's (the fused
+    # apply's row and slot tables).  Every table's locks are taken in one
+    # order (docs/cuckoo.md); data races are still reported.
     "thread": dict(
         flags=["-fsanitize=thread"],
-        env={"TSAN_OPTIONS": "halt_on_error=1:exitcode=66:second_deadlock_stack=1"},
+        env={"TSAN_OPTIONS": "halt_on_error=1:exitcode=66:detect_deadlocks=0"},
     ),
     "address,undefined": dict(
         flags=["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],

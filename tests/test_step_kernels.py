@@ -39,13 +39,17 @@ class Calls:
         monkeypatch.setattr(tfde.variable, "fused_lookup", counted_lookup)
 
 
-def train(make_opt, value_dtype=tf.float32, nan_at=None, graph=True):
+def train(make_opt, value_dtype=tf.float32, nan_at=None, graph=True, stored=0):
     """STEPS steps of two Variables (int64 and string keys); the item
     Variable is looked up twice per step (its step buffer then holds keys
-    twice).  Returns {table: {key: row}} of rows and slots."""
+    twice).  `stored`: item keys 0..stored-1 hold rows before training (and
+    no optimizer slots yet).  Returns {table: {key: row}} of rows and slots."""
     init = tf.keras.initializers.RandomUniform(-1, 1, seed=3)
     item = tfde.Variable("item", dim=DIM, value_dtype=value_dtype, initializer=init)
     user = tfde.Variable("user", key_dtype=tf.string, dim=DIM, value_dtype=value_dtype, initializer=init)
+    if stored:
+        rows = np.random.default_rng(9).standard_normal((stored, DIM))
+        item.upsert(tf.range(stored, dtype=tf.int64), tf.constant(rows, value_dtype))
     opt = make_opt()
     rng = np.random.default_rng(5)
     variables = [item.step_buffer, user.step_buffer]
@@ -140,6 +144,15 @@ def test_a_nan_gradient_leaves_its_row_and_slots_as_they_were(monkeypatch):
     assert_same(fused, python)
     for table in fused.values():
         assert all(np.isfinite(row).all() for row in table.values())
+
+
+def test_rows_stored_before_training_start_with_fresh_slots(monkeypatch):
+    # A warm start from rows alone: half the keys trained have a row and no
+    # slot, the others neither, and the fused step inserts what is missing.
+    make = lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01))  # noqa: E731
+    fused, python = both_paths(monkeypatch, make, stored=15)
+    assert_same(fused, python)
+    assert len(fused["item/rows"]) == 30
 
 
 def test_eager_steps_take_it_too(monkeypatch):

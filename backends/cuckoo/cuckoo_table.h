@@ -682,6 +682,58 @@ class CuckooTable {
     });
   }
 
+  // Every key's row in place, for a caller that reads and writes the rows of
+  // the same keys in several tables in one pass (TfdeTableApply: a row and
+  // its optimizer slots).  Takes every shard's lock exclusively, inserts the
+  // absent keys and calls fill(i, char* row, stable_hash) for each created
+  // row right after its insertion (fill must write the whole row: no other
+  // call sees it before), then body(char* const* rows), rows[i] being key
+  // i's row, with the locks still held.  The pointers stay valid until body
+  // returns: a shard grows its buckets but never moves its rows' chunks, and
+  // nothing removes a row while the locks are held.  Serial (one thread).
+  template <class Fill, class Body>
+  void WithRows(const View* keys, int64_t n, Fill fill, Body body) {
+    const BatchHashes<View> hashes(keys, n, SerialFor);  // before the locks: it takes the scratch cache's
+    std::vector<char*> rows(n, nullptr);
+    std::unique_lock<std::shared_mutex> locks[kNumShards];
+    for (int s = 0; s < kNumShards; ++s) locks[s] = std::unique_lock<std::shared_mutex>(shards_[s].mu);
+    // As Upsert: present keys first, then each shard grown once for the rest.
+    std::vector<int64_t> fresh;
+    int64_t fresh_in[kNumShards] = {0};
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + 2 * kPrefetchDistance < n)
+        ShardOf(hashes.ih(i + 2 * kPrefetchDistance)).Prefetch(hashes.ih(i + 2 * kPrefetchDistance));
+      CuckooShard<K>& sh = ShardOf(hashes.ih(i));
+      const uint32_t row = sh.Lookup(keys[i], hashes.ih(i));
+      if (row != kEmptyRow) {
+        rows[i] = sh.value_at(row);
+      } else {
+        fresh.push_back(i);
+        ++fresh_in[ShardIndex(hashes.ih(i))];
+      }
+    }
+    if (!fresh.empty()) {
+      for (int s = 0; s < kNumShards; ++s)
+        if (fresh_in[s] > 0) shards_[s].shard->Reserve(shards_[s].shard->size() + fresh_in[s]);
+      SizeDelta created_here(&size_);  // counted under the locks: see size_
+      for (size_t f = 0; f < fresh.size(); ++f) {
+        if (f + kPrefetchDistance < fresh.size()) {
+          const uint64_t h = hashes.ih(fresh[f + kPrefetchDistance]);
+          ShardOf(h).Prefetch(h);
+        }
+        const int64_t i = fresh[f];
+        bool created = false;
+        CuckooShard<K>& sh = ShardOf(hashes.ih(i));
+        rows[i] = sh.value_at(sh.FindOrInsert(keys[i], hashes.ih(i), &created));
+        if (created) {
+          fill(i, rows[i], hashes.stable(i));
+          ++created_here.delta;
+        }
+      }
+    }
+    body(static_cast<char* const*>(rows.data()));
+  }
+
   // Removes the keys present; returns how many were removed.
   int64_t Remove(const View* keys, int64_t n, const ParallelFor& pfor) {
     const BatchHashes<View> hashes(keys, n, pfor);

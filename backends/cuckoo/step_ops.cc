@@ -9,15 +9,16 @@
 //      twice: features sharing a table), in input order;
 //   2. leaves out the keys whose summed gradient is not finite, and the
 //      keys no gradient row names;
-//   3. reads the rows and every slot of the others (a missing row reads the
-//      step buffer's row when given, else its initial row; a missing slot its
-//      initial value);
+//   3. holds the rows of the others in the row table and every slot table
+//      (inserting a missing row with the step buffer's row when given, else
+//      its initial row; a missing slot with its initial value);
 //   4. applies the optimizer rule (rules.h, the formulas of
-//      tfde/optimizer_rules.py);
-//   5. writes rows and slots back.
+//      tfde/optimizer_rules.py) to each row and its slots in place:
+//      one pass over each table.
 // Every input of every part is checked before anything is read or written,
 // so a refused call changes nothing.
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
@@ -348,62 +349,61 @@ class TableApplyOp : public OpKernel {
     std::vector<View> kept_keys(n);
     for (int64_t k = 0; k < n; ++k) kept_keys[k] = views.data[distinct.first[kept[k]]];
     const int slots = static_cast<int>(part.slots.size());
-    // 3. Rows and slots.
-    std::vector<C> w(n * dim);
-    std::vector<std::vector<C>> s(slots, std::vector<C>(n * dim));
+    // 3-5. Every table's rows of the kept keys at once (CuckooTable::WithRows:
+    // the row table's, then each slot table's, absent keys inserted with
+    // their starting rows), then the rule row by row in place.
     const V* defaults = part.defaults ? reinterpret_cast<const V*>(part.defaults->tensor_data().data()) : nullptr;
-    const ParallelFor pfor = SerialFor;
-    part.table->core.Find(
-        kept_keys.data(), n, pfor,
-        [&](int64_t k, const char* row) {
-          const V* r = reinterpret_cast<const V*>(row);
-          for (int64_t c = 0; c < dim; ++c) w[k * dim + c] = ToCompute<V, C>(r[c]);
-        },
-        [&](int64_t k, uint64_t hash) {
-          if (defaults != nullptr) {
-            const V* r = defaults + distinct.first[kept[k]] * dim;
-            for (int64_t c = 0; c < dim; ++c) w[k * dim + c] = ToCompute<V, C>(r[c]);
-            return;
-          }
-          if constexpr (std::is_same_v<V, C>) {
-            FillInitialRow<V>(part.init, hash, dim, &w[k * dim]);
-          } else {  // the stored type's initial row, as a find would read it
-            thread_local std::vector<V> initial;
-            initial.resize(dim);
-            FillInitialRow<V>(part.init, hash, dim, initial.data());
-            for (int64_t c = 0; c < dim; ++c) w[k * dim + c] = ToCompute<V, C>(initial[c]);
-          }
-        });
-    for (int sl = 0; sl < slots; ++sl) {
-      std::vector<C>& out = s[sl];
-      const C init = static_cast<C>(static_cast<V>(slot_init_[sl]));  // what a stored initial slot row holds
-      part.slots[sl]->core.Find(
-          kept_keys.data(), n, pfor,
-          [&](int64_t k, const char* row) {
-            const V* r = reinterpret_cast<const V*>(row);
-            for (int64_t c = 0; c < dim; ++c) out[k * dim + c] = ToCompute<V, C>(r[c]);
-          },
-          [&](int64_t k, uint64_t) {
-            for (int64_t c = 0; c < dim; ++c) out[k * dim + c] = init;
-          });
-    }
-    // 4. The rule, row by row.
-    pfor(n, 40 * dim, [&](int64_t begin, int64_t end) {
-      C* ptrs[RuleSpec::kMaxHyper];
-      for (int64_t k = begin; k < end; ++k) {
-        for (int sl = 0; sl < slots; ++sl) ptrs[sl] = &s[sl][k * dim];
-        ApplyRule<C>(spec_, hy, dim, &w[k * dim], &acc[kept[k] * dim], ptrs);
+    std::vector<TypedTable<K>*> tables{part.table};
+    tables.insert(tables.end(), part.slots.begin(), part.slots.end());
+    std::vector<char* const*> rows(tables.size(), nullptr);
+    // A created row of table t: the row table's from the step buffer (else
+    // its initializer), a slot's its initial value.
+    auto fill = [&](size_t t, int64_t k, char* row, uint64_t hash) {
+      V* r = reinterpret_cast<V*>(row);
+      if (t > 0) {
+        const V init = static_cast<V>(slot_init_[t - 1]);
+        for (int64_t c = 0; c < dim; ++c) r[c] = init;
+      } else if (defaults != nullptr) {
+        std::memcpy(r, defaults + distinct.first[kept[k]] * dim, dim * sizeof(V));
+      } else {
+        FillInitialRow<V>(part.init, hash, dim, r);
       }
-    });
-    // 5. Rows and slots back.
-    auto store = [&](auto* table, const std::vector<C>& values) {
-      table->core.Upsert(kept_keys.data(), n, pfor, [&](int64_t k, char* row, bool, uint64_t) {
-        V* r = reinterpret_cast<V*>(row);
-        for (int64_t c = 0; c < dim; ++c) r[c] = static_cast<V>(values[k * dim + c]);
-      });
     };
-    store(part.table, w);
-    for (int sl = 0; sl < slots; ++sl) store(part.slots[sl], s[sl]);
+    auto step = [&] {
+      std::vector<C> w(dim), s(std::max(slots, 1) * dim);
+      C* ptrs[RuleSpec::kMaxHyper];
+      for (int sl = 0; sl < slots; ++sl) ptrs[sl] = &s[sl * dim];
+      for (int64_t k = 0; k < n; ++k) {
+        if (k + kPrefetchDistance < n)
+          for (size_t t = 0; t < tables.size(); ++t) PrefetchLines(rows[t][k + kPrefetchDistance], dim * sizeof(V));
+        V* row = reinterpret_cast<V*>(rows[0][k]);
+        for (int64_t c = 0; c < dim; ++c) w[c] = ToCompute<V, C>(row[c]);
+        for (int sl = 0; sl < slots; ++sl) {
+          const V* r = reinterpret_cast<const V*>(rows[1 + sl][k]);
+          for (int64_t c = 0; c < dim; ++c) ptrs[sl][c] = ToCompute<V, C>(r[c]);
+        }
+        ApplyRule<C>(spec_, hy, dim, w.data(), &acc[kept[k] * dim], ptrs);
+        for (int64_t c = 0; c < dim; ++c) row[c] = static_cast<V>(w[c]);
+        for (int sl = 0; sl < slots; ++sl) {
+          V* r = reinterpret_cast<V*>(rows[1 + sl][k]);
+          for (int64_t c = 0; c < dim; ++c) r[c] = static_cast<V>(ptrs[sl][c]);
+        }
+      }
+    };
+    // Table t's rows held, then table t + 1's inside, ..., the step innermost.
+    std::function<void(size_t)> hold = [&](size_t t) {
+      if (t == tables.size()) {
+        step();
+        return;
+      }
+      tables[t]->core.WithRows(
+          kept_keys.data(), n, [&](int64_t k, char* row, uint64_t hash) { fill(t, k, row, hash); },
+          [&](char* const* r) {
+            rows[t] = r;
+            hold(t + 1);
+          });
+    };
+    hold(0);
     return n;
   }
 
@@ -487,21 +487,22 @@ class TableLookupOp : public OpKernel {
     }
     std::vector<std::unique_ptr<Distinct<typename KeyViews<TK>::View>>> distinct(n_);
     std::vector<std::unique_ptr<KeyViews<TK>>> views(n_);
-    for (int p = 0; p < n_; ++p) {  // the distinct keys first: they size the outputs
-      views[p] = std::make_unique<KeyViews<TK>>(keys[p]);
-      distinct[p] = std::make_unique<Distinct<typename KeyViews<TK>::View>>(views[p]->data, keys[p].dim_size(0));
-    }
+    auto cost = [&](int p) { return keys[p].dim_size(0) * dims_[p]; };
+    // The distinct keys first (they size the outputs), the parts side by side.
+    OP_REQUIRES_OK(ctx, RunParts(
+                            ctx, n_,
+                            [&](int p) {
+                              views[p] = std::make_unique<KeyViews<TK>>(keys[p]);
+                              distinct[p] = std::make_unique<Distinct<typename KeyViews<TK>::View>>(
+                                  views[p]->data, keys[p].dim_size(0));
+                            },
+                            cost));
     std::vector<Tensor*> unique(n_), positions(n_), rows(n_);
     for (int p = 0; p < n_; ++p) {
       const int64_t u = static_cast<int64_t>(distinct[p]->first.size());
       OP_REQUIRES_OK(ctx, ctx->allocate_output(p, TensorShape({u}), &unique[p]));
       OP_REQUIRES_OK(ctx, ctx->allocate_output(n_ + p, keys[p].shape(), &positions[p]));
       OP_REQUIRES_OK(ctx, ctx->allocate_output(2 * n_ + p, TensorShape({u, dims_[p]}), &rows[p]));
-      auto in = keys[p].flat<TK>();
-      auto out = unique[p]->flat<TK>();
-      for (int64_t k = 0; k < u; ++k) out(k) = in(distinct[p]->first[k]);
-      int32_t* pos = positions[p]->flat<int32_t>().data();
-      for (int64_t i = 0; i < keys[p].dim_size(0); ++i) pos[i] = static_cast<int32_t>(distinct[p]->of[i]);
     }
     OP_REQUIRES_OK(ctx, WithValueType(value_dtype_, [&](auto v) {
                      using V = decltype(v);
@@ -511,6 +512,12 @@ class TableLookupOp : public OpKernel {
                                         [&](int p) {
                                           const auto& d = *distinct[p];
                                           const int64_t u = static_cast<int64_t>(d.first.size()), dim = dims_[p];
+                                          auto in = keys[p].flat<TK>();
+                                          auto out_keys = unique[p]->flat<TK>();
+                                          for (int64_t k = 0; k < u; ++k) out_keys(k) = in(d.first[k]);
+                                          int32_t* pos = positions[p]->flat<int32_t>().data();
+                                          for (int64_t i = 0; i < keys[p].dim_size(0); ++i)
+                                            pos[i] = static_cast<int32_t>(d.of[i]);
                                           std::vector<typename KeyViews<TK>::View> ukeys(u);
                                           for (int64_t k = 0; k < u; ++k) ukeys[k] = views[p]->data[d.first[k]];
                                           char* out = const_cast<char*>(rows[p]->tensor_data().data());
@@ -523,7 +530,7 @@ class TableLookupOp : public OpKernel {
                                                 FillInitialRow<V>(init, hash, dim, reinterpret_cast<V*>(out + k * vb));
                                               });
                                         },
-                                        [&](int p) { return keys[p].dim_size(0) * dims_[p]; }));
+                                        cost));
                    }));
   }
 

@@ -1,14 +1,15 @@
 // Stress test of the cuckoo core without TensorFlow, for every key type:
 //
 //   1. disjoint keys: several threads run random batches of upserts, finds,
-//      removes and accumulations on disjoint key ranges and check every
+//      removes and accumulations (by Upsert and in place by WithRows) on disjoint key ranges and check every
 //      answer against a private shadow map.  Thread 0 uses big batches split
 //      over several shard groups by a threaded parallel-for (the path TF's
 //      intra-op pool takes); the others use small serial batches.  A reader
 //      exports, sizes, measures and finds concurrently.  At the end the table
 //      must equal the union of the shadows.
-//   2. shared keys: every thread upserts, removes and finds the same few
-//      hundred keys while one also clears the table now and then.  A key's
+//   2. shared keys: every thread upserts, removes, finds and holds (WithRows,
+//      two tables nested as TfdeTableApply does) the same few hundred keys
+//      while one also clears the table now and then.  A key's
 //      row is a function of the key (RowOf), so whatever the interleaving a
 //      find or an export must return exactly that row, and Size() must never
 //      be negative (ExportOp sizes its outputs by it).
@@ -123,7 +124,7 @@ void DisjointWorker(tfde::CuckooTable<K>* table, int thread, int64_t ops) {
   std::unordered_map<K, Row> shadow;
   Batch<K> batch;
   for (int64_t op = 0; op < (big ? ops / 20 + 1 : ops); ++op) {
-    const int kind = static_cast<int>(rng() % 4);
+    const int kind = static_cast<int>(rng() % 5);
     const int64_t n = 1 + static_cast<int64_t>(rng() % (big ? kMaxBigBatch : kMaxBatch));
     batch.Fill(thread, rng, n, key_space);
     const auto& keys = batch.keys;
@@ -150,6 +151,24 @@ void DisjointWorker(tfde::CuckooTable<K>* table, int thread, int64_t ops) {
       for (int64_t i = 0; i < n; ++i) expected += shadow.erase(keys[i]);
       const int64_t removed = table->Remove(batch.views.data(), n, pfor);
       if (removed != expected) Fail("remove count " + std::to_string(removed) + " != " + std::to_string(expected));
+    } else if (kind == 3) {  // accum in place (WithRows): created rows start at zero; duplicates all add
+      table->WithRows(
+          batch.views.data(), n,
+          [&](int64_t i, char* row, uint64_t hash) {
+            if (hash != HashOf(keys[i])) Fail("WithRows passed the wrong stable hash");
+            std::memset(row, 0, kDim * 4);
+          },
+          [&](char* const* rows) {
+            for (int64_t i = 0; i < n; ++i) {
+              int32_t* r = reinterpret_cast<int32_t*>(rows[i]);
+              for (int j = 0; j < kDim; ++j) r[j] += static_cast<int32_t>(i + j);
+            }
+          });
+      for (int64_t i = 0; i < n; ++i) {
+        auto it = shadow.find(keys[i]);
+        if (it == shadow.end()) it = shadow.emplace(keys[i], Row(kDim, 0)).first;
+        for (int j = 0; j < kDim; ++j) it->second[j] += static_cast<int32_t>(i + j);
+      }
     } else {  // find: the callbacks only read the shadow
       std::atomic<int64_t> wrong{0};
       table->Find(
@@ -236,7 +255,7 @@ void DisjointPhase(const char* name, int threads, int64_t ops) {
 
 template <class K>
 void SharedPhase(const char* name, int threads, int64_t ops) {
-  tfde::CuckooTable<K> table(kDim * 4, 0);
+  tfde::CuckooTable<K> table(kDim * 4, 0), second(kDim * 4, 0);
   std::vector<K> universe;
   std::vector<Row> rows;
   for (int64_t i = 0; i < kSharedKeys; ++i) {
@@ -273,6 +292,17 @@ void SharedPhase(const char* name, int threads, int64_t ops) {
               [](int64_t, uint64_t) {});
         } else if (t == 0 && op % 16 == 7) {
           table.Clear();
+        } else {  // both tables' rows held at once, in the same order by every thread (as TfdeTableApply)
+          auto fill = [&](int64_t i, char* row, uint64_t) { std::memcpy(row, rows[idx[i]].data(), kDim * 4); };
+          table.WithRows(views.data(), n, fill, [&](char* const* first) {
+            second.WithRows(views.data(), n, fill, [&](char* const* other) {
+              for (int64_t i = 0; i < n; ++i) {
+                check_row(universe[idx[i]], first[i]);
+                check_row(universe[idx[i]], other[i]);
+                std::memcpy(first[i], rows[idx[i]].data(), kDim * 4);
+              }
+            });
+          });
         }
         const int64_t size = table.Size();
         if (size < 0 || size > kSharedKeys)
