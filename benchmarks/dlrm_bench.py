@@ -76,7 +76,7 @@ def runs(args) -> list:
         ("TFRA per-feature Embedding", "tfra", "per-feature", None, 1, None, common.TFRA_PYTHON, "tf-keras"),
         ("tfde per-feature layers", "tfde", "per-feature", None, 1, None, me, "tf-keras"),
         ("tfde DistributedEmbedding", "tfde", "collection", ("auto", None), 1, None, me, "tf-keras"),
-        ("tfde DistributedEmbedding, Keras 3", "tfde", "collection", ("auto", None), 1, None, me, "keras3"),
+        ("tfde DistributedEmbedding", "tfde", "collection", ("auto", None), 1, None, me, "keras3"),
         ("tfde per-feature layers", "tfde", "per-feature", None, 2, "mwms", me, "tf-keras"),
     ]
     out += [("tfde DistributedEmbedding", "tfde", "collection", p, 2, "mwms", me, "tf-keras") for p in PLANS]
