@@ -642,44 +642,7 @@ class CuckooTable {
   template <class Update>
   void Upsert(const View* keys, int64_t n, const ParallelFor& pfor, Update update) {
     const BatchHashes<View> hashes(keys, n, pfor);
-    RunByShardGroups(hashes, n, pfor, [&](auto owns) {
-      // Pass 1 updates the keys already present and collects the others, so
-      // pass 2 can grow each shard once instead of doubling repeatedly.  A
-      // new key appears only in pass 2, so its duplicates stay in order.
-      std::vector<uint32_t> fresh;
-      int64_t fresh_in[kNumShards] = {0};
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t ahead = i + 2 * kPrefetchDistance;
-        if (ahead < n && owns(ahead)) ShardOf(hashes.ih(ahead)).Prefetch(hashes.ih(ahead));
-        if (!owns(i)) continue;
-        CuckooShard<K>& sh = ShardOf(hashes.ih(i));
-        const uint32_t row = sh.Lookup(keys[i], hashes.ih(i));
-        if (row != kEmptyRow) {
-          update(i, sh.value_at(row), false, hashes.stable(i));
-        } else {
-          fresh.push_back(static_cast<uint32_t>(i));
-          ++fresh_in[ShardIndex(hashes.ih(i))];
-        }
-      }
-      if (fresh.empty()) return;
-      for (int s = 0; s < kNumShards; ++s)
-        if (fresh_in[s] > 0) shards_[s].shard->Reserve(shards_[s].shard->size() + fresh_in[s]);
-      // Counted into size_ while this group's locks are held (SizeDelta),
-      // also when a later key throws: see size_.
-      SizeDelta created_here(&size_);
-      for (size_t f = 0; f < fresh.size(); ++f) {
-        if (f + kPrefetchDistance < fresh.size()) {
-          const uint64_t h = hashes.ih(fresh[f + kPrefetchDistance]);
-          ShardOf(h).Prefetch(h);
-        }
-        const uint32_t i = fresh[f];
-        bool created = false;
-        CuckooShard<K>& sh = ShardOf(hashes.ih(i));
-        const uint32_t row = sh.FindOrInsert(keys[i], hashes.ih(i), &created);
-        update(i, sh.value_at(row), created, hashes.stable(i));
-        created_here.delta += created;
-      }
-    });
+    RunByShardGroups(hashes, n, pfor, [&](auto owns) { UpsertLocked(keys, hashes, n, owns, update); });
   }
 
   // Every key's row in place, for a caller that reads and writes the rows of
@@ -697,40 +660,12 @@ class CuckooTable {
     std::vector<char*> rows(n, nullptr);
     std::unique_lock<std::shared_mutex> locks[kNumShards];
     for (int s = 0; s < kNumShards; ++s) locks[s] = std::unique_lock<std::shared_mutex>(shards_[s].mu);
-    // As Upsert: present keys first, then each shard grown once for the rest.
-    std::vector<int64_t> fresh;
-    int64_t fresh_in[kNumShards] = {0};
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + 2 * kPrefetchDistance < n)
-        ShardOf(hashes.ih(i + 2 * kPrefetchDistance)).Prefetch(hashes.ih(i + 2 * kPrefetchDistance));
-      CuckooShard<K>& sh = ShardOf(hashes.ih(i));
-      const uint32_t row = sh.Lookup(keys[i], hashes.ih(i));
-      if (row != kEmptyRow) {
-        rows[i] = sh.value_at(row);
-      } else {
-        fresh.push_back(i);
-        ++fresh_in[ShardIndex(hashes.ih(i))];
-      }
-    }
-    if (!fresh.empty()) {
-      for (int s = 0; s < kNumShards; ++s)
-        if (fresh_in[s] > 0) shards_[s].shard->Reserve(shards_[s].shard->size() + fresh_in[s]);
-      SizeDelta created_here(&size_);  // counted under the locks: see size_
-      for (size_t f = 0; f < fresh.size(); ++f) {
-        if (f + kPrefetchDistance < fresh.size()) {
-          const uint64_t h = hashes.ih(fresh[f + kPrefetchDistance]);
-          ShardOf(h).Prefetch(h);
-        }
-        const int64_t i = fresh[f];
-        bool created = false;
-        CuckooShard<K>& sh = ShardOf(hashes.ih(i));
-        rows[i] = sh.value_at(sh.FindOrInsert(keys[i], hashes.ih(i), &created));
-        if (created) {
-          fill(i, rows[i], hashes.stable(i));
-          ++created_here.delta;
-        }
-      }
-    }
+    UpsertLocked(
+        keys, hashes, n, [](int64_t) { return true; },
+        [&](int64_t i, char* row, bool created, uint64_t stable) {
+          rows[i] = row;
+          if (created) fill(i, row, stable);
+        });
     body(static_cast<char* const*>(rows.data()));
   }
 
@@ -836,6 +771,48 @@ class CuckooTable {
     std::atomic<int64_t>* size;
     int64_t delta = 0;
   };
+
+  // Upsert's work on the keys i with owns(i), whose shards' locks the caller
+  // holds exclusively.  Pass 1 updates the keys already present and collects
+  // the others, so pass 2 can grow each shard once instead of doubling
+  // repeatedly.  A new key appears only in pass 2, so its duplicates stay in
+  // order.
+  template <class Owns, class Update>
+  void UpsertLocked(const View* keys, const BatchHashes<View>& hashes, int64_t n, Owns owns, Update&& update) {
+    std::vector<uint32_t> fresh;
+    int64_t fresh_in[kNumShards] = {0};
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t ahead = i + 2 * kPrefetchDistance;
+      if (ahead < n && owns(ahead)) ShardOf(hashes.ih(ahead)).Prefetch(hashes.ih(ahead));
+      if (!owns(i)) continue;
+      CuckooShard<K>& sh = ShardOf(hashes.ih(i));
+      const uint32_t row = sh.Lookup(keys[i], hashes.ih(i));
+      if (row != kEmptyRow) {
+        update(i, sh.value_at(row), false, hashes.stable(i));
+      } else {
+        fresh.push_back(static_cast<uint32_t>(i));
+        ++fresh_in[ShardIndex(hashes.ih(i))];
+      }
+    }
+    if (fresh.empty()) return;
+    for (int s = 0; s < kNumShards; ++s)
+      if (fresh_in[s] > 0) shards_[s].shard->Reserve(shards_[s].shard->size() + fresh_in[s]);
+    // Counted into size_ while the locks are held (SizeDelta), also when a
+    // later key throws: see size_.
+    SizeDelta created_here(&size_);
+    for (size_t f = 0; f < fresh.size(); ++f) {
+      if (f + kPrefetchDistance < fresh.size()) {
+        const uint64_t h = hashes.ih(fresh[f + kPrefetchDistance]);
+        ShardOf(h).Prefetch(h);
+      }
+      const uint32_t i = fresh[f];
+      bool created = false;
+      CuckooShard<K>& sh = ShardOf(hashes.ih(i));
+      const uint32_t row = sh.FindOrInsert(keys[i], hashes.ih(i), &created);
+      update(i, sh.value_at(row), created, hashes.stable(i));
+      created_here.delta += created;
+    }
+  }
 
   // Splits the shards into one contiguous group per worker.  Each worker
   // locks its group exclusively and calls body(owns), where owns(i) tells
