@@ -20,7 +20,10 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          item history sharing the item table, a category in a table of its own; "placement" and
          "column_slice_threshold" go to the layer; worker 0 writes the layer's plan to OUT-plan.json;
          "plans": [[placement, threshold], ...] trains one such model per plan in turn, each writing
-         OUT-planI-*), ...}
+         OUT-planI-*),
+         "sync_every": k (semi-synchronous training, tfde.keras.callbacks.PeriodicSync or, in the custom loop,
+         tfde.semi_sync.PeriodicSync; each worker writes what it pushed at each sync to OUT-pushed-wW.npz and
+         worker 0 the initial rows of every key to OUT-init.npz), ...}
 
 The data are fixed: T global batches of G examples (string user id, int64
 item id, label), the same for every run; the custom loop adds a short last
@@ -235,10 +238,49 @@ def compile_model(model, opt):
 
 
 def restrict_callbacks():
-    """Frequency restriction to cfg["restrict"] keys every 2 steps, when asked for."""
-    if not cfg.get("restrict"):
-        return []
-    return [tfde.keras.callbacks.RestrictCallback(every_n_steps=2, num_reserved=cfg["restrict"])]
+    """Frequency restriction to cfg["restrict"] keys every 2 steps, when asked
+    for; semi-synchronous training (with what it pushes recorded) when asked for."""
+    out = []
+    if cfg.get("restrict"):
+        out.append(tfde.keras.callbacks.RestrictCallback(every_n_steps=2, num_reserved=cfg["restrict"]))
+    if cfg.get("sync_every"):
+        periodic = tfde.keras.callbacks.PeriodicSync(cfg["sync_every"])
+        out += [PushRecorder(lambda: periodic.sync, lambda step: step - periodic._last >= periodic.every), periodic]
+    return out
+
+
+PUSHED = []  # [(table name, keys, deltas)] of every sync of this worker (semi-synchronous training)
+KERNELS = []  # the dense layer's kernel before each sync
+MODEL_DENSE = []  # the model's dense layer
+
+
+def record_pending(sync):
+    """Appends what `sync` (tfde.semi_sync.PeriodicSync) is about to push to
+    PUSHED, and the dense kernel to KERNELS."""
+    KERNELS.append(np.asarray(MODEL_DENSE[0].get_weights()[0]))
+    names = {}
+    for layer in model_layers:
+        names[id(layer.params)] = layer.name
+        for slot_name, slot in layer.params.slots.items():
+            names[id(slot)] = f"{layer.name}/{slot_name}"
+    for var, keys, deltas in sync.pending():
+        PUSHED.append((names[id(var)], keys.astype("S") if keys.dtype == object else keys, deltas))
+
+
+class PushRecorder(tf.keras.callbacks.Callback):
+    """Records what the PeriodicSync callback after it pushes at each sync."""
+
+    def __init__(self, sync_of, due):
+        super().__init__()
+        self.sync_of, self.due = sync_of, due
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.sync_of() is not None and self.due(int(self.model.optimizer.iterations.numpy())):
+            record_pending(self.sync_of())
+
+    def on_train_end(self, logs=None):
+        if self.sync_of() is not None:
+            record_pending(self.sync_of())
 
 
 def optimizer():
@@ -288,9 +330,18 @@ def dump(var):
 def train_and_save():
     """Builds the model, trains it and writes this worker's OUT-wW.npz (and,
     for model "many", the plan)."""
+    global model_layers
     with strategy.scope():
         model = build()
         opt = optimizer()
+    model_layers = [] if MANY else [model.user_emb, model.item_emb]
+    MODEL_DENSE[:] = [model.dense]
+    if cfg.get("sync_every") and index == 0:  # the initial rows of every key (nothing is stored yet)
+        init = {}
+        for layer, ids in ((model.user_emb, np.unique(all_users)), (model.item_emb, np.unique(all_items))):
+            init[f"{layer.name}/keys"] = ids.astype("S") if ids.dtype.kind == "U" else ids
+            init[f"{layer.name}/rows"] = layer.params._find(tf.constant(ids))[0].numpy()
+        np.savez(f"{cfg['out']}-init.npz", **init)
 
     def checkpoints(directory):
         """tfde.saving.CheckpointManager of the job: every worker writes its own files."""
@@ -363,6 +414,13 @@ def train_and_save():
             strategy.run(replica_step, args=batch)
 
         data = strategy.distribute_datasets_from_function(dataset) if N > 1 else dataset()
+        periodic = None
+        if cfg.get("sync_every"):
+            dense = [v for v in model.trainable_variables if not tfde.variable.is_step_buffer(v)]
+            periodic = tfde.semi_sync.PeriodicSync(
+                cfg["sync_every"], [layer.params for layer in model_layers], opt, dense, strategy=strategy
+            )
+            periodic.start()
         auto = (
             tfde.AutoRestrictor(  # not with model "many"
                 [model.user_emb.params, model.item_emb.params], every_n_steps=2, num_reserved=cfg["restrict"]
@@ -372,12 +430,29 @@ def train_and_save():
         )
         for number, batch in enumerate(data):
             step(batch)
+            if periodic is not None:
+                if periodic.steps + 1 >= periodic.every:
+                    record_pending(periodic)
+                periodic.after_step()
             if auto is not None:
                 auto.after_step(number + 1)
             print(f"worker {index} finished step {number}", flush=True)
             if index == cfg.get("die_worker") and number == cfg.get("die_after_step"):
                 os.kill(os.getpid(), signal.SIGKILL)  # a worker lost mid-training
 
+    if cfg["engine"] == "loop" and periodic is not None:
+        record_pending(periodic)
+        periodic.stop()
+    if cfg.get("sync_every"):
+        pushed = {}
+        for name, keys, deltas in PUSHED:
+            pushed.setdefault(name, []).append((keys, deltas))
+        np.savez(
+            f"{cfg['out']}-pushed-w{index}.npz",
+            **{f"{n}/keys": np.concatenate([k for k, _ in v]) for n, v in pushed.items()},
+            **{f"{n}/deltas": np.concatenate([d for _, d in v]) for n, v in pushed.items()},
+            kernels=np.stack(KERNELS) if KERNELS else np.zeros([0]),
+        )
     eager_read = None
     if cfg.get("eager_read"):
         # Every worker reads item rows eagerly, outside strategy.run.

@@ -18,7 +18,7 @@ _install.check_version(_tf.__version__)
 
 # tfde.saving registers the checkpoint saver; tfde.distributed registers the
 # engines with tfde.exchange.
-from tfde import distributed, errors, exchange, hashing, initializers, saving, tables  # noqa: E402
+from tfde import distributed, errors, exchange, hashing, initializers, saving, semi_sync, tables  # noqa: E402
 from tfde.admission import AdmissionFilter, CounterFilter, ProbabilityFilter  # noqa: E402
 from tfde.errors import (  # noqa: E402
     BackendError,
@@ -86,6 +86,7 @@ __all__ = [
     "errors",
     "exchange",
     "saving",
+    "semi_sync",
     "hashing",
     "initializers",
     "tables",

@@ -100,10 +100,12 @@ ROWS = Placement()
 class Lookup:
     """One Variable's part of a lookup through an exchange: `keys` [u] (its
     deduplicated keys on this worker), find(keys) -> rows [k, d] (reads
-    this worker's store), `placement` (who owns its keys)."""
+    this worker's store), `placement` (who owns its keys), `variable` (the
+    tfde Variable, for a training step's lookup; tfde/semi_sync.py's local
+    steps read it from their own tables)."""
 
-    def __init__(self, keys, find, placement: Placement = ROWS):
-        self.keys, self.find, self.placement = keys, find, placement
+    def __init__(self, keys, find, placement: Placement = ROWS, variable=None):
+        self.keys, self.find, self.placement, self.variable = keys, find, placement, variable
 
 
 class Gradient:
@@ -129,6 +131,10 @@ class Exchange:
     # Whether its collectives may run inside tf.data functions (reads there
     # happen on tf.data's threads, beside the step; tfde.Variable._reader).
     collectives_in_tf_data = False
+    # Whether a training step's lookups read each Variable's store as it is
+    # (False: tfde/semi_sync.py's local steps read their own tables), so a
+    # process training alone may read it with the fused lookup.
+    reads_store = True
 
     @property
     def collective(self) -> bool:
@@ -188,6 +194,27 @@ class Exchange:
     def owned(self, keys, placement: Placement = ROWS):
         """bool [k]: which keys this worker owns."""
         return tf.equal(placement.owners(keys, self.size), self.rank)
+
+    def average(self, tensors: list) -> list:
+        """Each tensor of `tensors` averaged over the workers (every worker
+        passes tensors of the same shapes and dtypes, in the same order):
+        the dense weights of semi-synchronous training (tfde/semi_sync.py)."""
+        return list(tensors)
+
+    def local_step_scale(self) -> float:
+        """Factor of a worker's own gradients in a local step of
+        semi-synchronous training (tfde/semi_sync.py), so that averaging the
+        workers' weights after one local SGD step gives the exact step:
+        the number of workers where the engine sums the workers' gradients
+        (tf.distribute divides the loss by the global batch); 1 where it
+        averages them (Horovod: each worker's loss is its local mean)."""
+        return 1.0
+
+    def keep_gradients_local(self, optimizer, on: bool) -> None:
+        """Semi-synchronous training (tfde/semi_sync.py) turns this on for
+        its local steps: an engine whose optimizer wrapper averages the
+        gradients (Horovod's DistributedOptimizer) must then leave them as
+        they are; turned off again when the local steps end."""
 
 
 LOCAL = Exchange()  # the exchange of a process that trains alone
@@ -257,10 +284,31 @@ def installed() -> Optional[Exchange]:
     return _installed
 
 
+# Set by tfde/semi_sync.py while training takes local steps: a function
+# engine exchange -> the exchange of a local step.
+_local_steps: Optional[Callable] = None
+
+
+def set_local_steps(wrap: Optional[Callable]) -> None:
+    """Makes active() and current() answer wrap(the engine's exchange)
+    (tfde/semi_sync.py's local steps), or stops it (None)."""
+    global _local_steps
+    _local_steps = wrap
+
+
 def active() -> Exchange:
     """The exchange for the code being traced or run now: an installed one
     with more than one worker, else a registered engine's (a tf.distribute
-    replica context with more than one replica), else LOCAL."""
+    replica context with more than one replica), else LOCAL; during the
+    local steps of semi-synchronous training, the local steps' exchange
+    over it (tfde/semi_sync.py)."""
+    ex = engine_active()
+    return ex if _local_steps is None else _local_steps(ex)
+
+
+def engine_active() -> Exchange:
+    """active() without semi-synchronous training's local steps: the
+    exchange that reaches every worker's keys."""
     if _installed is not None:
         return _installed if _installed.size > 1 else LOCAL
     for engine in _engines:
@@ -274,14 +322,18 @@ def current() -> Exchange:
     """The exchange whose optimizer hooks apply (prepare_gradients,
     register_step_buffers): the installed one whatever its size, else
     active()."""
-    return _installed if _installed is not None else active()
+    if _installed is None:
+        return active()
+    return _installed if _local_steps is None else _local_steps(_installed)
 
 
 def plain_reader(variable, in_tf_data: bool) -> Optional[Callable]:
     """keys -> (rows, exists) for a read of `variable` outside a training
     step that must reach other workers' keys, or None: this worker's store
-    has them all (alone, a shared store, or no engine that can)."""
-    ex = active()
+    has them all (alone, a shared store, or no engine that can).  Plain
+    reads read the stores, also between syncs of semi-synchronous
+    training."""
+    ex = engine_active()
     if ex.collective and (not in_tf_data or ex.collectives_in_tf_data):
         return lambda keys: variable._unpack(variable._find_everywhere_packed(keys, ex))
     if _installed is not None:

@@ -28,11 +28,13 @@ are rejected.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import tensorflow as tf
 
 from tfde import exchange as _exchange
+from tfde import semi_sync as _semi_sync
 from tfde import step_kernels
 from tfde.errors import ConfigError, UnsupportedOptimizerError
 from tfde.flavour import flavour_fix, keras_flavour_name
@@ -130,10 +132,21 @@ class DynamicEmbeddingMixin:
         if not any(is_step_buffer(v) for _, v in grads_and_vars):
             return super().apply_gradients(grads_and_vars, *args, **kwargs)
         dense, ready = self._tfde_apply_sparse(self._tfde_engine_gradients(grads_and_vars))
+        if _semi_sync.local_steps_on() and "skip_gradients_aggregation" in _parameters(super().apply_gradients):
+            # tf-keras under tf.distribute: a local step updates this
+            # worker's dense weights with its own gradients (tfde/semi_sync.py).
+            kwargs["skip_gradients_aggregation"] = True
         with tf.control_dependencies(ready):
             if dense:
                 return super().apply_gradients(dense, *args, **kwargs)
             return self._iterations.assign_add(1)
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):  # Keras 3 under tf.distribute
+        # A local step of semi-synchronous training updates this worker's
+        # dense weights with its own gradients (tfde/semi_sync.py).
+        if _semi_sync.local_steps_on():
+            return list(grads_and_vars)
+        return super()._all_reduce_sum_gradients(grads_and_vars)
 
     def apply(self, grads, trainable_variables=None):  # Keras 3's entry point
         if trainable_variables is None or not any(is_step_buffer(v) for v in trainable_variables):
@@ -163,7 +176,10 @@ class DynamicEmbeddingMixin:
         ex = _exchange.active()
         # Alone, a qualifying Variable's buffer gradient goes to the fused
         # kernel as it is: the kernel sums it per key (tfde/step_kernels.py).
-        direct = [] if ex.collective or not fused else [(g, v._tfde_variable) for g, v in sparse if g is not None]
+        # (Not when the exchange scales the gradients: semi-synchronous
+        # training's local steps under tf.distribute, tfde/semi_sync.py.)
+        alone = not ex.collective and ex.gradient_scale(self) == 1.0
+        direct = [] if not alone or not fused else [(g, v._tfde_variable) for g, v in sparse if g is not None]
         direct = [(g, var) for g, var in direct if step_kernels.qualifies(var)]
         taken = {id(var) for _, var in direct}
         prepared = self._tfde_prepare_all(
@@ -385,6 +401,13 @@ class DynamicEmbeddingMixin:
             return bool(self._use_weight_decay(var.step_buffer))
         except Exception:  # exclusion lists that cannot judge a raw tf.Variable
             return True
+
+
+def _parameters(fn) -> frozenset:
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+        return frozenset()
 
 
 def _finite_rows(grads):

@@ -69,8 +69,8 @@ def qualifies(var) -> bool:
         return False
     if var.admission_filter is not None or var.changes is not None:
         return False
-    return all(isinstance(t, CuckooTable) for t in var._tables) and all(
-        isinstance(t, CuckooTable) for s in var.slots.values() for t in s._tables
+    return all(isinstance(t, CuckooTable) for t in var._train_tables()) and all(
+        isinstance(t, CuckooTable) for s in var.slots.values() for t in s._train_tables()
     )
 
 
@@ -207,9 +207,9 @@ def apply(opt, rule, parts: List[Part], lr, keys: Optional[list] = None) -> List
             attrs = missing.attrs()
             kinds.append(attrs["init_kind"]), p0.append(attrs["init_p0"]), p1.append(attrs["init_p1"])
             seeds.append(attrs["init_seed"])
-    slot_tables = [p.var.slot(name, init)._tables[0].resource_handle for p in parts for name, init in slots]
+    slot_tables = [p.var.slot(name, init)._train_tables()[0].resource_handle for p in parts for name, init in slots]
     return _native.load().tfde_table_apply(
-        tables=[p.var._tables[0].resource_handle for p in parts],
+        tables=[p.var._train_tables()[0].resource_handle for p in parts],
         slot_tables=slot_tables,
         keys=keys if keys is not None else [p.keys for p in parts],
         indices=[tf.cast(p.indices, tf.int32) for p in parts],

@@ -128,7 +128,12 @@ class Variable(tf.Module):
     # The keys of the step buffer are bookkeeping of this process, not model
     # state: kept out of .variables, so that Keras models do not list them
     # (a broadcast of model.variables to the workers cannot carry strings).
-    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_keys_buffer", "_strategy", "_serving"}
+    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {
+        "_keys_buffer",
+        "_strategy",
+        "_serving",
+        "_local",
+    }
 
     def __init__(
         self,
@@ -174,6 +179,10 @@ class Variable(tf.Module):
         # (restriction) finds its workers through it even outside the scope.
         self._strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
         self._serving = None  # the tables lookups read instead, within serving_from()
+        # Semi-synchronous training's local tables (tfde/semi_sync.py,
+        # LocalTables), which training steps read and write between syncs;
+        # None: training reads and writes the store.
+        self._local = None
         with tf.init_scope():
             self._tables = [
                 self.table_creator.create(self._table_name(i), self.key_dtype, self.value_dtype, dim)
@@ -259,6 +268,14 @@ class Variable(tf.Module):
             )
         return self._tables
 
+    def _train_tables(self) -> list:
+        """The tables training writes, and reads rows to update from: one per
+        shard.  Between the syncs of semi-synchronous training, this
+        worker's local tables (all shards share one); else the store."""
+        if self._local is not None:
+            return [self._local.rows] * self.num_shards
+        return self._write_tables()
+
     @property
     def step_buffer(self) -> tf.Variable:
         """The trainable [None, dim] buffer of this step's looked-up rows."""
@@ -312,7 +329,7 @@ class Variable(tf.Module):
         lookups, which the gradient is computed from) read with
         Table.find_to_update: never a lagging replica."""
         missing = self._missing(flat_keys, for_update)
-        tables = self._read_tables()
+        tables = self._train_tables() if for_update and self._local is not None else self._read_tables()
         primary = for_update or in_step
         step = training_step() if primary else None
 
@@ -554,16 +571,19 @@ class Variable(tf.Module):
                     f"{slot.num_shards} shards of {slot.key_dtype.name} keys, {self.name!r} has "
                     f"{self.num_shards} of {self.key_dtype.name}; make it with {self.name!r}.slot()"
                 )
-        tables = self._write_tables()
+        tables = self._train_tables()
         step = training_step()
         if self.num_shards == 1:
-            return tables[0].insert_with(keys, rows, [(s._tables[0], v) for s, v in others], step)
+            return tables[0].insert_with(keys, rows, [(s._train_tables()[0], v) for s, v in others], step)
         parts, pos = self._split(keys)
         ops = []
         for i, table in enumerate(tables):
             ops.extend(
                 table.insert_with(
-                    parts[i], tf.gather(rows, pos[i]), [(s._tables[i], tf.gather(v, pos[i])) for s, v in others], step
+                    parts[i],
+                    tf.gather(rows, pos[i]),
+                    [(s._train_tables()[i], tf.gather(v, pos[i])) for s, v in others],
+                    step,
                 )
             )
         return ops
@@ -740,7 +760,8 @@ def trainable_lookups(parts: Sequence[tuple]) -> list:
     exchange per step").  A Variable may appear in several parts (features
     sharing a table): each part appends its own rows to the buffer."""
     lookups = [
-        _exchange.Lookup(keys, lambda k, v=var: v._find(k, in_step=True)[0], var.placement) for var, keys, _ in parts
+        _exchange.Lookup(keys, lambda k, v=var: v._find(k, in_step=True)[0], var.placement, var)
+        for var, keys, _ in parts
     ]
     found = _exchange.active().rows_for_many(lookups)
     return _through_buffers([(var, positions) for var, _, positions in parts], found)
@@ -752,7 +773,10 @@ def trainable_lookups_of(parts: Sequence[tuple]) -> list:
     A process training alone reads the parts that qualify with one native op
     that deduplicates and finds (tfde/step_kernels.py, `lookup`); the others
     are deduplicated here and go through the exchange together."""
-    fused = [] if _exchange.active().collective else [i for i, (var, _) in enumerate(parts) if lookup_qualifies(var)]
+    ex = _exchange.active()
+    fused = (
+        [] if ex.collective or not ex.reads_store else [i for i, (var, _) in enumerate(parts) if lookup_qualifies(var)]
+    )
     out = [None] * len(parts)
     if fused:
         looked = fused_lookup([parts[i] for i in fused])

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfde import exchange
 from tfde.distributed.keys import carrier_dtype, pack_keys
+from tfde.errors import ConfigError
 
 
 class AllToAllExchange(exchange.Exchange):
@@ -21,17 +22,30 @@ class AllToAllExchange(exchange.Exchange):
     alltoall(tensor, splits) -> (received, received_splits) sends
     tensor[sum(splits[:w]) : sum(splits[:w+1])] to worker w;
     max_over_workers(scalar) -> scalar.  gradient_scale: the factor for
-    summed gradients (1/size where the engine's convention is to average)."""
+    summed gradients (1/size where the engine's convention is to average).
+    average(list of tensors) -> each averaged over the workers (None: this
+    exchange cannot average, and semi-synchronous training refuses it)."""
 
-    def __init__(self, rank, size, alltoall, max_over_workers, gradient_scale=1.0, all_gather=None):
+    def __init__(self, rank, size, alltoall, max_over_workers, gradient_scale=1.0, all_gather=None, average=None):
         self.rank, self.size = rank, size
         self._alltoall = lambda t, splits: exchange.measured(lambda x: alltoall(x, splits), t)
         self._max = lambda t: exchange.measured(max_over_workers, t)
         self._scale = gradient_scale
         self.all_gather = all_gather  # (tensor) -> concatenation over workers, for HostCollectives
+        self._average = average
 
     def gradient_scale(self, optimizer) -> float:
         return self._scale
+
+    def local_step_scale(self) -> float:
+        # The exact step applies scale * (sum over workers); a local step
+        # applies this worker's share of it, times size.
+        return self._scale * self.size
+
+    def average(self, tensors):
+        if self._average is None:
+            raise ConfigError(f"{type(self).__name__} was made without average=: it cannot average dense weights")
+        return self._average(list(tensors))
 
     def _route(self, parts):
         """Where the entries of several Variables go: parts is a list of

@@ -73,6 +73,7 @@ class HorovodExchange(AllToAllExchange):
             max_over_workers=lambda x: hvd.allreduce(x, op=hvd.Max),
             gradient_scale=1.0 / hvd.size(),
             all_gather=hvd.allgather,
+            average=lambda tensors: hvd.grouped_allreduce(tensors, op=hvd.Average),
         )
 
     def gradient_scale(self, optimizer) -> float:
@@ -94,6 +95,18 @@ class HorovodExchange(AllToAllExchange):
         for v in var_list:
             if is_step_buffer(v) and v.ref() not in known:
                 optimizer.register_local_var(v)
+
+    def keep_gradients_local(self, optimizer, on: bool) -> None:
+        # Horovod's DistributedOptimizer averages in compute_gradients
+        # through its _allreduce method; semi-synchronous training's local
+        # steps shadow it on the instance with one that leaves every
+        # gradient as it is, and remove the shadow afterwards.
+        if not hasattr(optimizer, "register_local_var"):
+            return
+        if on:
+            optimizer._allreduce = lambda grads, variables: list(grads)
+        else:
+            optimizer.__dict__.pop("_allreduce", None)
 
     def prepare_gradients(self, optimizer, grads_and_vars) -> list:
         """Averages the dense gradients unless Horovod's DistributedOptimizer

@@ -66,6 +66,14 @@ class GatherExchange(exchange.Exchange):
             o.set_shape(t.shape)
         return out
 
+    def average(self, tensors):
+        return self.ctx.all_reduce(tf.distribute.ReduceOp.MEAN, list(tensors))
+
+    def local_step_scale(self) -> float:
+        # Keras and tf.nn.compute_average_loss divide each worker's loss by
+        # the global batch, and the exact step sums the workers' gradients.
+        return float(self.size)
+
     def rows_for_many(self, lookups):
         # One all-gather of every part's key count, one of every part's keys
         # (string keys: one more, for their longest length), one all-reduce

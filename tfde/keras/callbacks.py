@@ -1,5 +1,6 @@
 """Keras callbacks of tfde: RestrictCallback (restrict policies during
-model.fit) and ModelCheckpoint (atomic, per-worker checkpoints)."""
+model.fit), ModelCheckpoint (atomic, per-worker checkpoints) and
+PeriodicSync (semi-synchronous training)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from typing import Any, Optional, Sequence, Union
 
 import tensorflow as tf
 
+from tfde import semi_sync
 from tfde.errors import ConfigError
 from tfde.policy import AutoRestrictor
 from tfde.saving import CheckpointManager
-from tfde.variable import model_variables
+from tfde.tables.base import int_arg
+from tfde.variable import is_step_buffer, model_variables
 
 
 def _policy_variables(model) -> list:
@@ -115,3 +118,66 @@ class ModelCheckpoint(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         if self.save_freq == "epoch":
             self._manager().save()
+
+
+class PeriodicSync(tf.keras.callbacks.Callback):
+    """Semi-synchronous training during model.fit: the workers train apart
+    and sync every `every` steps (tfde.semi_sync.PeriodicSync;
+    docs/semi-sync.md).  every=1 is exact synchronous training: the callback
+    then does nothing.
+
+    Every trainable tfde Variable of the model takes local steps, and all
+    of the model's dense weights are averaged at each sync.  The step
+    function is traced again when training begins and ends, so a later fit
+    without the callback is exact again.  With steps_per_execution > 1 a
+    sync comes after the first batch end at least `every` steps after the
+    last one.
+
+    Args:
+      every: steps between syncs (int >= 1).
+
+    Example:
+      >>> model.fit(data, callbacks=[tfde.keras.callbacks.PeriodicSync(every=16)])
+    """
+
+    def __init__(self, every: int) -> None:
+        super().__init__()
+        k = int_arg(every)
+        if k is None or k < 1:
+            raise ConfigError(f"every must be an int >= 1 (steps between syncs; 1 is exact training), got {every!r}")
+        self.every = k
+        self.sync = None
+        self._last = 0
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if self.every == 1:
+            return
+        model = self.model
+        variables = [v for v in model_variables(model) if v.trainable]
+        if not variables:
+            raise ConfigError("PeriodicSync found no trainable tfde Variable in the model; it has nothing to sync")
+        strategy = getattr(model, "distribute_strategy", None)
+
+        # The model's weights once its first step built them.
+        def dense():
+            return [w for w in model.weights if not is_step_buffer(w) and tf.as_dtype(w.dtype).is_floating]
+
+        self.sync = semi_sync.PeriodicSync(self.every, variables, model.optimizer, dense, strategy=strategy)
+        self.sync.start()
+        self._last = int(model.optimizer.iterations.numpy())
+        model.make_train_function(force=True)  # traced again, with local steps
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if self.sync is None:
+            return
+        step = int(self.model.optimizer.iterations.numpy())
+        if step - self._last >= self.every:
+            self.sync.sync()
+            self._last = step
+
+    def on_train_end(self, logs: Optional[dict] = None) -> None:
+        if self.sync is None:
+            return
+        self.sync.stop()
+        self.sync = None
+        self.model.train_function = None  # the next fit traces an exact step

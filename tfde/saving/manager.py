@@ -58,7 +58,7 @@ from typing import Any, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from tfde import exchange
+from tfde import exchange, semi_sync
 from tfde.errors import CheckpointError, ConfigError
 from tfde.flavour import IS_KERAS3
 from tfde.saving import registered
@@ -209,7 +209,10 @@ class CheckpointManager:
         restores into any number of workers), or each a directory of its
         own (e.g. with its rank in the path: each worker then writes and
         restores its part there, and it restores into the same number of
-        workers only); a mix of the two is refused."""
+        workers only); a mix of the two is refused.  During semi-synchronous
+        training every worker syncs first, so the checkpoint holds every
+        worker's updates (tfde/semi_sync.py)."""
+        semi_sync.sync_now()
         host = exchange.host_collectives(self._strategy)
         rank, size = (0, 1) if host is None else (host.rank, host.size)
         own_directory = self._own_directories(host)
@@ -338,6 +341,7 @@ class CheckpointManager:
         if path is None:
             return None
         _refuse_unbuilt_keras3_models(self._objects)
+        semi_sync.discard_local()  # local rows of semi-synchronous training would hide the restored ones
         host = exchange.host_collectives(self._strategy)
         sources = read_manifest(path, (0, 1) if host is None else (host.rank, host.size))
         registered.check_optimizers(self._checkpoint, sources[0][0], sources[0][1])

@@ -1,0 +1,35 @@
+"""Semi-synchronous training under Horovod (2 workers by horovodrun on
+loopback): model.fit through hvd.DistributedOptimizer's compute_gradients
+(Keras's train_step) and through apply_gradients alone (tfrs.Model's
+train_step).  The checks are tests/test_semi_sync.py's."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from distributed_check import redis_tag  # noqa: E402
+from test_semi_sync import check_every_1_is_exact, check_every_k_pushes  # noqa: E402
+
+assert os.environ.get("TF_USE_LEGACY_KERAS") == "1", "Horovod's Keras support needs tf-keras: TF_USE_LEGACY_KERAS=1"
+
+CASES = [("keras", "redis"), ("keras", "cuckoo"), ("tfrs", "cuckoo")]
+
+
+@pytest.fixture
+def tag():
+    with redis_tag() as t:
+        yield t
+
+
+@pytest.mark.parametrize("model,layout", CASES)
+def test_every_1_is_exact_training_under_horovod(tmp_path, tag, model, layout):
+    check_every_1_is_exact(tmp_path, tag, "hvd", layout, {"model": model})
+
+
+@pytest.mark.parametrize("model,layout", CASES)
+def test_every_k_stores_initial_rows_plus_every_workers_deltas_under_horovod(tmp_path, tag, model, layout):
+    check_every_k_pushes(tmp_path, tag, "hvd", layout, {"model": model})

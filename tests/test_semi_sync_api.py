@@ -1,0 +1,145 @@
+"""Semi-synchronous training in one process: what a user can get wrong, and
+what a process training alone must get right (local steps then equal exact
+steps; a checkpoint syncs first).  Several workers: tests/test_semi_sync.py."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfde
+from tfde.errors import ConfigError
+
+
+class Model(tf.keras.Model):
+    def __init__(self, **emb):
+        super().__init__()
+        self.emb = tfde.keras.layers.Embedding(4, name="ids", initializer="uniform", **emb)
+        self.dense = tf.keras.layers.Dense(1, kernel_initializer="ones")
+
+    def call(self, x, training=None):
+        return self.dense(self.emb(x, training=training))
+
+
+def data(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 40, size=(n, 1))
+    return x, (x % 3 == 0).astype("float32")
+
+
+def trained(every, optimizer="Adam", epochs=1, **emb):
+    model = Model(**emb)
+    opt = tfde.DynamicEmbeddingOptimizer(getattr(tf.keras.optimizers, optimizer)(0.05))
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data()
+    callbacks = [] if every is None else [tfde.keras.callbacks.PeriodicSync(every)]
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    return model
+
+
+def rows_and_slots(model):
+    keys = np.arange(40)
+    var = model.emb.params
+    return [var.lookup(keys).numpy()] + [s.lookup(keys).numpy() for _, s in sorted(var.slots.items())]
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam", "Adagrad"])
+@pytest.mark.parametrize("every", [2, 5, 100])
+def test_alone_local_steps_train_what_exact_steps_train(optimizer, every):
+    """A process training alone: its local tables hold exactly the rows the
+    store would, and each sync adds them back (up to float rounding of
+    base + (local - base)); 100 > the 12 steps: one sync, at the end."""
+    exact = trained(None, optimizer, epochs=2)
+    local = trained(every, optimizer, epochs=2)
+    for a, b in zip(rows_and_slots(exact), rows_and_slots(local)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(exact.dense.kernel.numpy(), local.dense.kernel.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.keras
+def test_a_later_fit_without_the_callback_is_exact_again():
+    model = trained(4)
+    assert not tfde.semi_sync.local_steps_on()
+    x, y = data(seed=1)
+    before = model.emb.params.size().numpy()
+    model.fit(x, y, batch_size=16, verbose=0)
+    assert model.emb.params.size().numpy() >= before
+    assert model.emb.params._local is None
+
+
+@pytest.mark.parametrize("every", [0, -3, True, 2.5, "4", None])
+def test_a_bad_every_is_refused(every):
+    with pytest.raises(ConfigError, match="every must be an int >= 1"):
+        tfde.keras.callbacks.PeriodicSync(every)
+    var = tfde.Variable("semi_bad_every", dim=2)
+    with pytest.raises(ConfigError, match="every must be an int >= 1"):
+        tfde.semi_sync.PeriodicSync(every, [var], tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD()))
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize(
+    "emb,what",
+    [
+        ({"restrict_policy": tfde.FrequencyRestrictPolicy}, "a restrict policy"),
+        ({"admission_filter": tfde.CounterFilter(2)}, "an admission filter"),
+    ],
+)
+def test_state_that_is_not_a_sum_of_deltas_is_refused_before_training(emb, what):
+    model = Model(**emb)
+    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
+    x, y = data()
+    with pytest.raises(ConfigError, match=what):
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[tfde.keras.callbacks.PeriodicSync(4)])
+    assert not tfde.semi_sync.local_steps_on()
+    assert int(model.emb.params.size()) == 0  # nothing trained
+
+
+def test_one_periodic_sync_at_a_time_and_every_variable_must_be_given():
+    a = tfde.Variable("semi_a", dim=2, initializer=0.5)
+    b = tfde.Variable("semi_b", dim=2, initializer=0.5)
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+    first = tfde.semi_sync.PeriodicSync(3, [a], opt)
+    first.start()
+    try:
+        with pytest.raises(ConfigError, match="one PeriodicSync at a time"):
+            tfde.semi_sync.PeriodicSync(3, [b], opt).start()
+        with pytest.raises(ConfigError, match="was not given it"):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tfde.embedding_lookup(b, tf.constant([1, 2], tf.int64)))
+            opt.apply_gradients(zip(tape.gradient(loss, [b.step_buffer]), [b.step_buffer]))
+    finally:
+        first.stop()
+    assert not tfde.semi_sync.local_steps_on() and a._local is None
+
+
+def test_a_custom_loop_with_local_steps_and_a_checkpoint_that_syncs_first(tmp_path):
+    """A custom loop (tf.function step traced after start()): a checkpoint
+    saved between syncs holds every step's updates, because the save syncs
+    first; without that it would hold the initial rows."""
+    var = tfde.Variable("semi_loop", dim=3, initializer=0.0)
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5))
+    sync = tfde.semi_sync.PeriodicSync(1000, [var], opt)
+    sync.start()
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tfde.embedding_lookup(var, ids) - 1.0)
+        opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+
+    try:
+        for _ in range(3):
+            step(tf.constant([1, 2, 2], tf.int64))
+            sync.after_step()
+        assert int(var.size()) == 0, "the store changed before a sync"
+        pending = {v.name: dict(zip(k.tolist(), d.tolist())) for v, k, d in sync.pending()}
+        assert pending == {"semi_loop": {1: [-1.5] * 3, 2: [-3.0] * 3}}
+        manager = tfde.saving.CheckpointManager(str(tmp_path), variables=[var], optimizer=opt)
+        manager.save(3)
+        assert sync.pending() == [] or all(len(k) == 0 for _, k, _ in sync.pending())
+    finally:
+        sync.stop()
+    np.testing.assert_allclose(var.lookup([1, 2]).numpy(), [[-1.5] * 3, [-3.0] * 3])
+    fresh = tfde.Variable("semi_loop", dim=3, initializer=0.0)
+    tfde.saving.CheckpointManager(str(tmp_path), variables=[fresh]).restore()
+    np.testing.assert_allclose(fresh.lookup([1, 2]).numpy(), [[-1.5] * 3, [-3.0] * 3])

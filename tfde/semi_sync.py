@@ -1,0 +1,401 @@
+"""Semi-synchronous training: workers train apart for k steps, then sync.
+
+docs/semi-sync.md describes the cycle and its rules (docs/design.md,
+decision 11).  ``every=1`` is the exact synchronous training of every other
+tfde program: nothing here runs.  With ``every=k > 1``, between two syncs
+(the "local steps"):
+
+* a worker reads the rows and optimizer slots of its batches' keys from
+  tables of its own (`LocalTables`, in-process cuckoo tables): the first
+  lookup of a key after a sync fetches its row and slots from the store
+  (straight from Redis, or from the key's owner through the exchange) and
+  keeps a copy of them as the key's "base";
+* its optimizer updates those tables with its own gradients alone: no ids,
+  rows or gradients cross workers, and its dense weights take its own
+  gradients too (scaled by Exchange.local_step_scale, so that averaging
+  the weights after one local SGD step gives the exact step).
+
+A sync (every k steps, before every checkpoint save, at the end) runs on
+every worker at once:
+
+* each worker's deltas (local value minus base) of the keys whose row or
+  slots it changed are added to the store: to Redis by each worker, as
+  server-side accumulations (concurrent pushes never lose an update); to
+  sharded local tables through the exchange, which sums the workers'
+  deltas of a key at its owner, who adds them to its table;
+* the local tables are emptied, so the next lookup of a key reads the
+  store's row, which holds every worker's deltas;
+* the dense weights are averaged over the workers (their optimizer state
+  stays each worker's own).
+
+Variables with a restrict policy, an admission filter or change tracking
+are refused for now: their state is not a sum of per-worker deltas.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from tfde import exchange as _exchange
+from tfde.errors import ConfigError
+from tfde.initializers import InitSpec
+from tfde.optimizer_rules import rule_for
+from tfde.tables.base import int_arg
+from tfde.tables.cuckoo import CuckooTableCreator
+
+_ZERO = InitSpec("constant", 0.0, 0.0, 0)  # what a key missing from a local table reads (never used: see fill)
+_ALL_ROWS = 2**62  # export_chunk's max_rows for "every row in one chunk"
+
+_running: Optional["PeriodicSync"] = None  # the PeriodicSync whose local steps are on
+
+
+def local_steps_on() -> bool:
+    """Whether training takes local steps now (read while tracing a step)."""
+    return _running is not None
+
+
+class LocalTables:
+    """A Variable's tables of this worker between syncs: `rows` (its local
+    rows, which training reads and writes: Variable._train_tables) and
+    `base` (the rows those keys had in the store when first fetched after
+    the last sync).  Both hold exactly the keys fetched since the last sync.
+    Written by a training step's lookup (fill) and apply, and emptied by
+    the sync; one step at a time."""
+
+    def __init__(self, var):
+        creator = CuckooTableCreator()
+        self.var = var
+        self.rows = creator.create(f"{var.name}/local_rows", var.key_dtype, var.value_dtype, var.dim)
+        self.base = creator.create(f"{var.name}/local_base", var.key_dtype, var.value_dtype, var.dim)
+
+
+class _Entry:
+    """A trained Variable and its optimizer slots' LocalTables."""
+
+    def __init__(self, var, slots: list):
+        self.var, self.slots = var, slots
+        self.tables = [LocalTables(v) for v in [var] + slots]
+        self.widths = [v.dim for v in [var] + slots]
+
+    def attach(self, on: bool) -> None:
+        for t in self.tables:
+            t.var._local = t if on else None
+
+    def read_store(self, keys):
+        """[k, sum of widths]: the stored rows and slots of `keys` (missing
+        keys read their initial values), side by side."""
+        found = [v._find(keys, in_step=True)[0] for v in [self.var] + self.slots]
+        return tf.concat([tf.cast(f, self.var.value_dtype) for f in found], 1)
+
+    def missing(self, keys):
+        """The keys of `keys` [u] not in the local tables yet."""
+        _, hit = self.tables[0].rows.find(keys, _ZERO)
+        return tf.boolean_mask(keys, tf.logical_not(hit))
+
+    def fill(self, keys, packed) -> list:
+        """Stores the fetched rows and slots `packed` of `keys` as their local
+        values and their base."""
+        ops = []
+        for t, part in zip(self.tables, tf.split(packed, self.widths, axis=1)):
+            part = tf.cast(part, t.var.value_dtype)
+            ops += [t.rows.insert(keys, part), t.base.insert(keys, part)]
+        return ops
+
+    def deltas(self):
+        """(keys [c], deltas [c, sum of widths]) of the keys whose row or a
+        slot changed since it was fetched: local value minus base."""
+        keys, rows, _ = self.tables[0].rows.export_chunk(0, _ALL_ROWS)
+        parts = []
+        for i, t in enumerate(self.tables):
+            local = rows if i == 0 else t.rows.find(keys, _ZERO)[0]
+            parts.append(tf.cast(local, self.var.value_dtype) - tf.cast(t.base.find(keys, _ZERO)[0], local.dtype))
+        packed = tf.concat([tf.cast(p, self.var.value_dtype) for p in parts], 1)
+        changed = tf.reduce_any(tf.not_equal(packed, 0), axis=1)
+        return tf.boolean_mask(keys, changed), tf.boolean_mask(packed, changed)
+
+    def accumulate(self, keys, packed) -> list:
+        """Adds the deltas `packed` of `keys` to the store (a key not stored
+        starts from its initial row, as in the base it was fetched with)."""
+        ops = []
+        for v, part in zip([self.var] + self.slots, tf.split(packed, self.widths, axis=1)):
+            op = v.accum(keys, tf.cast(part, v.value_dtype))
+            if op is not None:
+                ops.append(op)
+        return ops
+
+    def clear(self) -> list:
+        return [op for t in self.tables for op in (t.rows.clear(), t.base.clear())]
+
+
+class LocalSteps(_exchange.Exchange):
+    """The exchange of a local step (tfde.exchange.active() while local
+    steps are on): lookups read the LocalTables, fetching keys they do not
+    hold yet through `inner` (the engine's exchange), and gradients stay on
+    this worker."""
+
+    reads_store = False
+
+    def __init__(self, sync: "PeriodicSync", inner: _exchange.Exchange):
+        self._sync, self._inner = sync, inner
+        self.rank, self.size = inner.rank, inner.size
+
+    @property
+    def collective(self) -> bool:
+        return False
+
+    def rows_for_many(self, lookups):
+        entries = [self._sync._entry(p.variable) for p in lookups]
+        misses = [e.missing(p.keys) for e, p in zip(entries, lookups)]
+        fetched = [None] * len(lookups)
+        through = [i for i, e in enumerate(entries) if self._inner.collective and not e.var.shared_between_workers]
+        for i, e in enumerate(entries):
+            if i not in through:  # a shared store (or training alone): read it here
+                fetched[i] = e.read_store(misses[i])
+        if through:
+            found = self._inner.rows_for_many(
+                [_exchange.Lookup(misses[i], entries[i].read_store, entries[i].var.placement) for i in through]
+            )
+            for i, (_, rows, mine) in zip(through, found):
+                fetched[i] = rows if mine is None else tf.gather(rows, mine)
+        out = []
+        for e, p, miss, rows in zip(entries, lookups, misses, fetched):
+            with tf.control_dependencies(e.fill(miss, rows)):
+                out.append((p.keys, e.tables[0].rows.find(p.keys, _ZERO)[0], None))
+        return out
+
+    def gradient_scale(self, optimizer) -> float:
+        return self._inner.local_step_scale()
+
+    def prepare_gradients(self, optimizer, grads_and_vars) -> list:
+        scale = self._inner.local_step_scale()
+        if scale == 1.0:
+            return grads_and_vars
+        return [(None if g is None else _scaled(g, scale), v) for g, v in grads_and_vars]
+
+
+def _scaled(g, scale):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(scale, g.dtype)
+
+
+def _tf_variable(v):
+    """The tf.Variable behind a dense weight (Keras 3 wraps one)."""
+    return v if isinstance(v, tf.Variable) else getattr(v, "value", v)
+
+
+class PeriodicSync:
+    """Semi-synchronous training of `variables` and `dense` weights by
+    `optimizer`: local steps, with a sync every `every` steps (see the
+    module docstring and docs/semi-sync.md).  tfde.keras.callbacks.
+    PeriodicSync runs it for model.fit; a custom loop calls start() before
+    tracing its step, after_step() after each step and stop() at the end.
+
+    Args:
+      every: steps between syncs, an int >= 1; 1 is exact synchronous
+        training (start() then changes nothing).
+      variables: the tfde Variables the optimizer trains.
+      optimizer: the tfde.DynamicEmbeddingOptimizer (possibly wrapped by
+        Horovod's DistributedOptimizer).
+      dense: the dense weights to average at each sync, or a function
+        returning them (called when the first sync is traced: a Keras
+        model builds its weights in its first step).
+      strategy: the tf.distribute strategy of the job, if any (default: the
+        one in scope, else the one the Variables were made under).
+
+    Not thread-safe: one training loop drives it.
+
+    Example:
+      >>> sync = tfde.semi_sync.PeriodicSync(16, [table], opt, model.trainable_variables)
+      >>> sync.start()
+      >>> for batch in data:
+      ...     train_step(batch)
+      ...     sync.after_step()
+      >>> sync.stop()
+    """
+
+    def __init__(self, every: int, variables: Sequence, optimizer, dense: Sequence = (), strategy=None):
+        k = int_arg(every)
+        if k is None or k < 1:
+            raise ConfigError(f"every must be an int >= 1 (steps between syncs; 1 is exact training), got {every!r}")
+        self.every = k
+        self.variables = list(variables)
+        self.optimizer = optimizer
+        self._dense = dense
+        if strategy is None and tf.distribute.has_strategy():
+            strategy = tf.distribute.get_strategy()
+        if strategy is None:
+            strategy = next((v._strategy for v in self.variables if v._strategy is not None), None)
+        self.strategy = strategy if strategy is not None and strategy.num_replicas_in_sync > 1 else None
+        self.steps = 0  # local steps since the last sync
+        self.syncs = 0
+        self._entries = None
+        self._sync_fn = None
+
+    # ---------------------------------------------------------------- control
+
+    @property
+    def running(self) -> bool:
+        return _running is self
+
+    def start(self) -> None:
+        """Turns local steps on (with every > 1); trace the training step
+        after this call."""
+        global _running
+        if self.every == 1:
+            return
+        if _running is not None:
+            raise ConfigError("semi-synchronous training is on already (one PeriodicSync at a time); stop() it first")
+        self._entries = [self._make_entry(v) for v in self.variables]
+        for e in self._entries:
+            e.attach(True)
+        _running = self
+        _exchange.set_local_steps(lambda inner: LocalSteps(self, inner))
+        engine = _exchange.installed()
+        if engine is not None:
+            engine.keep_gradients_local(self.optimizer, True)
+        self.steps = 0
+
+    def after_step(self) -> bool:
+        """Counts a training step; syncs after every `every`-th.  Returns
+        whether it synced."""
+        if not self.running:
+            return False
+        self.steps += 1
+        if self.steps < self.every:
+            return False
+        self.sync()
+        return True
+
+    def sync(self) -> None:
+        """Pushes every worker's deltas to the stores, empties the local
+        tables and averages the dense weights; every worker must call it
+        at the same point."""
+        if not self.running:
+            return
+        if self._sync_fn is None:
+            self._sync_fn = tf.function(self._sync_body, autograph=False)
+        if self.strategy is not None:
+            self.strategy.run(self._sync_fn)
+        else:
+            self._sync_fn()
+        self.steps = 0
+        self.syncs += 1
+
+    def stop(self) -> None:
+        """Syncs, then turns local steps off (trace the step again)."""
+        global _running
+        if not self.running:
+            return
+        try:
+            self.sync()
+        finally:
+            for e in self._entries:
+                e.attach(False)
+            _running = None
+            _exchange.set_local_steps(None)
+            engine = _exchange.installed()
+            if engine is not None:
+                engine.keep_gradients_local(self.optimizer, False)
+
+    def pending(self) -> list:
+        """What the next sync would push from this worker, eagerly: a list
+        of (Variable, keys [c] numpy, deltas [c, dim] numpy) for every
+        trained Variable and each of its optimizer slots (slot Variables,
+        Variable.slots), over the keys whose row or a slot changed since it
+        was fetched.  A worker that stops now loses exactly these."""
+        out = []
+        for e in self._entries if self.running else []:
+            keys, packed = e.deltas()
+            for v, part in zip([e.var] + e.slots, tf.split(packed, e.widths, axis=1)):
+                out.append((v, keys.numpy(), part.numpy()))
+        return out
+
+    # ---------------------------------------------------------------- internals
+
+    def _make_entry(self, var) -> _Entry:
+        for what, hook in (
+            ("a restrict policy", var.restrict_policy),
+            ("an admission filter", var.admission_filter),
+            ("change tracking", var.changes),
+        ):
+            if hook is not None:
+                raise ConfigError(
+                    f"semi-synchronous training (every={self.every}) does not support Variable {var.name!r}: it has "
+                    f"{what}, whose state is not a sum of per-worker deltas; train it with every=1 (exact), or "
+                    "without it (docs/semi-sync.md)"
+                )
+        if not var.trainable:
+            raise ConfigError(f"Variable {var.name!r} is not trainable: leave it out of PeriodicSync's variables")
+        slots = [var.slot(name, init) for name, init in rule_for(self.optimizer).slots(self.optimizer)]
+        return _Entry(var, slots)
+
+    def _entry(self, var) -> _Entry:
+        for e in self._entries:
+            if e.var is var:
+                return e
+        raise ConfigError(
+            f"Variable {var.name!r} is trained while semi-synchronous training is on, but PeriodicSync was not "
+            "given it; pass every trained tfde Variable (the Keras callback takes the model's)"
+        )
+
+    def _sync_body(self):
+        ex = _exchange.engine_active()
+        shared, sharded = [], []
+        for e in self._entries:
+            keys, packed = e.deltas()
+            (sharded if ex.collective and not e.var.shared_between_workers else shared).append((e, keys, packed))
+        writes = [op for e, keys, packed in shared for op in e.accumulate(keys, packed)]
+        if sharded:
+            # The exchange's own two steps: a lookup gives the buffer every
+            # worker's deltas are summed in, then the owners get the sums.
+            buffers = ex.rows_for_many(
+                [
+                    _exchange.Lookup(keys, lambda k: tf.zeros([tf.size(k), 1], tf.float32), e.var.placement)
+                    for e, keys, _ in sharded
+                ]
+            )
+            parts = [
+                _exchange.Gradient(
+                    buffer_keys,
+                    tf.range(tf.size(keys)) if mine is None else mine,
+                    tf.cast(packed, tf.float64 if e.var.value_dtype == tf.float64 else tf.float32),
+                    e.var.placement,
+                )
+                for (e, keys, packed), (buffer_keys, _, mine) in zip(sharded, buffers)
+            ]
+            for (e, _, _), (owned, summed) in zip(sharded, ex.owner_gradients_many(parts)):
+                writes += e.accumulate(owned, summed)
+        with tf.control_dependencies(writes):
+            cleared = [op for e in self._entries for op in e.clear()]
+        assigns = []
+        # After the pushes: a worker whose partner is lost still pushes its
+        # deltas before the average fails.
+        dense = self._dense() if callable(self._dense) else self._dense
+        weights = [_tf_variable(v) for v in dense if getattr(v, "_tfde_variable", None) is None]
+        with tf.control_dependencies(writes):
+            values = [w.read_value() for w in weights]
+        if weights and ex.size > 1:
+            for w, mean in zip(weights, ex.average(values)):
+                assigns.append(w.assign(mean))
+        with tf.control_dependencies(cleared + assigns):
+            return tf.constant(True)
+
+
+def sync_now() -> None:
+    """Syncs the running semi-synchronous training, if any (a checkpoint
+    save calls it first, so a checkpoint holds a consistent state)."""
+    if _running is not None:
+        _running.sync()
+
+
+def discard_local() -> None:
+    """Empties the local tables of the running semi-synchronous training,
+    if any, dropping what was not synced (a checkpoint restore calls it:
+    the restored rows are then read from the store)."""
+    if _running is not None:
+        for e in _running._entries:
+            e.clear()
+        _running.steps = 0
