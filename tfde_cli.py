@@ -122,6 +122,13 @@ def parser() -> argparse.ArgumentParser:
         "of --workers sets it",
     )
     t.add_argument(
+        "--sync-every",
+        type=int,
+        default=1,
+        metavar="K",
+        help="semi-synchronous training: workers train apart and sync every K steps (1: exact; docs/semi-sync.md)",
+    )
+    t.add_argument(
         "--exchange-stats",
         action="store_true",
         help="measure the multi-worker exchange (bytes and time in collectives per step)",

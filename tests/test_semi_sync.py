@@ -134,3 +134,63 @@ def test_every_k_is_not_exact_training(tmp_path, tag, engine, layout):
         tmp_path / "k4", 2, engine, "adam", layout, tag, {"sync_every": 4, "redis": {"model_tag_runtime": f"{tag}-4"}}
     )
     assert not np.allclose(exact[1]["dense/kernel"], local[1]["dense/kernel"], atol=1e-4)
+
+
+def test_independent_trainers_on_one_redis_lose_only_a_killed_ones_unsynced_steps(tmp_path, tag):
+    """Two processes train the same Redis tables at once, each alone (no
+    engine), syncing every 3 steps (tests/semi_sync_job.py).  The second is
+    killed after its 8th step: it synced after steps 3 and 6, and steps 7
+    and 8 were never pushed.  The tables hold the initial rows plus exactly
+    the deltas both pushed (the survivor's 12 steps, the killed one's first
+    6): concurrent pushes lose nothing, and a lost trainer costs only its
+    unsynced steps."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import tensorflow as tf
+
+    import tfde
+
+    job = Path(__file__).with_name("semi_sync_job.py")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(job.parent.parent)}
+    procs = []
+    for name, seed, die in (("a", 1, None), ("b", 2, 7)):
+        cfg = {"tag": tag, "seed": seed, "steps": 12, "every": 3, "die_after_step": die, "out": str(tmp_path / name)}
+        (tmp_path / f"{name}.json").write_text(__import__("json").dumps(cfg))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(job), str(tmp_path / f"{name}.json")],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
+        )
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert procs[0].returncode == 0, outputs[0][-3000:]
+    assert procs[1].returncode == -9, outputs[1][-3000:]
+    assert len(glob.glob(str(tmp_path / "b-sync*.npz"))) == 2
+    assert len(glob.glob(str(tmp_path / "a-sync*.npz"))) == 5  # after steps 3, 6, 9, 12, and stop()'s (empty)
+
+    keys = np.arange(50, dtype=np.int64)
+    initial = tfde.Variable("semi_items", dim=4, initializer="normal", seed=5).lookup(keys).numpy()
+    stored = tfde.Variable(
+        "semi_items",
+        dim=4,
+        initializer="normal",
+        seed=5,
+        table_creator=tfde.RedisTableCreator({"model_tag_runtime": tag}),
+    )
+    for name, start in (("table", initial), ("m", np.zeros_like(initial)), ("v", np.zeros_like(initial))):
+        expected, pushed_by = start.astype(np.float64), {}
+        for f in sorted(glob.glob(str(tmp_path / "*-sync*.npz"))):
+            part = np.load(f)
+            for k, d in zip(part[f"{name}/keys"].tolist(), part[f"{name}/deltas"]):
+                expected[k] += d
+                pushed_by.setdefault(k, set()).add(os.path.basename(f)[0])
+        var = stored if name == "table" else stored.slot(name, 0.0)
+        rows, exists = var.lookup(tf.constant(keys), return_exists=True)
+        assert sorted(keys[exists.numpy()].tolist()) == sorted(pushed_by), name
+        np.testing.assert_allclose(rows.numpy(), expected, rtol=1e-5, atol=2e-6, err_msg=name)
+        assert any(len(w) == 2 for w in pushed_by.values()), f"{name}: no key was pushed by both trainers"

@@ -40,6 +40,9 @@ def _without(argv, flag):
 
 
 def _train(args) -> int:
+    if args.sync_every < 1:
+        print(f"tfde train: --sync-every must be >= 1 (1: exact training), got {args.sync_every}", file=sys.stderr)
+        return 2
     if args.keras == "tf-keras" and os.environ.get("TF_USE_LEGACY_KERAS") != "1":
         # `import tfde` has chosen tf.keras already: start again with tf-keras.
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -103,6 +106,7 @@ def _train(args) -> int:
         verbose=1 if sys.stdout.isatty() or args.progress else 2,
         k=args.k,
         engine=engine,
+        sync_every=args.sync_every,
     )
     k = args.k
     if not engine.chief:
@@ -164,6 +168,7 @@ def _train_dlrm(args, engine, creator, say) -> int:
         verbose=1 if sys.stdout.isatty() or args.progress else 2,
         engine=engine,
         features=clicks.CATEGORICAL[: args.features],
+        sync_every=args.sync_every,
     )
     better = result["auc"] > result["dense_baseline_auc"]
     if not engine.chief:

@@ -207,14 +207,14 @@ class Exchange:
         workers' weights after one local SGD step gives the exact step:
         the number of workers where the engine sums the workers' gradients
         (tf.distribute divides the loss by the global batch); 1 where it
-        averages them (Horovod: each worker's loss is its local mean)."""
+        averages them (where each worker's loss is its local mean)."""
         return 1.0
 
     def keep_gradients_local(self, optimizer, on: bool) -> None:
         """Semi-synchronous training (tfde/semi_sync.py) turns this on for
         its local steps: an engine whose optimizer wrapper averages the
-        gradients (Horovod's DistributedOptimizer) must then leave them as
-        they are; turned off again when the local steps end."""
+        gradients must then leave them as they are; turned off again when
+        the local steps end."""
 
 
 LOCAL = Exchange()  # the exchange of a process that trains alone

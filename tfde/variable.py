@@ -554,7 +554,7 @@ class Variable(tf.Module):
                 )
         return self._slots[slot_name]
 
-    def _write_step(self, keys, rows, others) -> list:
+    def _write_step(self, keys, rows, others, store: bool = False) -> list:
         """Writes a training step: `rows` ([n, dim] of value_dtype) under the
         unique flat `keys` ([n]) and, for each (slot Variable, values
         [n, slot.dim] of slot.value_dtype) of the dict `others` (optimizer
@@ -562,7 +562,9 @@ class Variable(tf.Module):
         Per shard, one Table.insert_with call writes them all, so each key
         gets its row and all of its state or, when the write fails, none of
         it (the call raises).  Returns the write ops; the optimizer calls it
-        inside the write section (_exclusively)."""
+        inside the write section (_exclusively).  store=True writes the
+        store even between the syncs of semi-synchronous training (its
+        sync does), outside a training step."""
         others = list(others.items())
         for slot, _ in others:
             if slot.num_shards != self.num_shards or slot.key_dtype != self.key_dtype:
@@ -571,10 +573,14 @@ class Variable(tf.Module):
                     f"{slot.num_shards} shards of {slot.key_dtype.name} keys, {self.name!r} has "
                     f"{self.num_shards} of {self.key_dtype.name}; make it with {self.name!r}.slot()"
                 )
-        tables = self._train_tables()
-        step = training_step()
+
+        def tables_of(var):
+            return var._write_tables() if store else var._train_tables()
+
+        tables = tables_of(self)
+        step = None if store else training_step()
         if self.num_shards == 1:
-            return tables[0].insert_with(keys, rows, [(s._train_tables()[0], v) for s, v in others], step)
+            return tables[0].insert_with(keys, rows, [(tables_of(s)[0], v) for s, v in others], step)
         parts, pos = self._split(keys)
         ops = []
         for i, table in enumerate(tables):
@@ -582,7 +588,7 @@ class Variable(tf.Module):
                 table.insert_with(
                     parts[i],
                     tf.gather(rows, pos[i]),
-                    [(s._train_tables()[i], tf.gather(v, pos[i])) for s, v in others],
+                    [(tables_of(s)[i], tf.gather(v, pos[i])) for s, v in others],
                     step,
                 )
             )

@@ -99,11 +99,14 @@ def train(
     verbose: int = 1,
     engine=None,
     features=CATEGORICAL,
+    sync_every: int = 1,
 ) -> dict:
     """Trains the DLRM demo; returns figures (loss, examples/s, AUCs, table
     sizes).  With several workers (engine) each trains on its share of the
     data with batch_size examples per step.  features: the categorical
-    features the model uses (a prefix of CATEGORICAL)."""
+    features the model uses (a prefix of CATEGORICAL).  sync_every:
+    semi-synchronous training with a sync every that many steps
+    (tfde.keras.callbacks.PeriodicSync; docs/semi-sync.md); 1: exact."""
     features = list(features)
     if features != CATEGORICAL[: len(features)]:
         raise tfde.ConfigError(f"features must be the first N of {CATEGORICAL}, got {features}")
@@ -129,6 +132,8 @@ def train(
         )
     rate = ExamplesPerSecond(batch_size * engine.size, verbose=bool(verbose))
     callbacks = [rate] + engine.callbacks()
+    if sync_every > 1:
+        callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every))
     if engine.size == 1:
         ds = dataset(data.train_dense, data.train_cats, data.train_labels, batch_size, seed, names=features)
         steps = None

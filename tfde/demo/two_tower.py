@@ -181,6 +181,7 @@ def train(
     max_rows: int = None,
     min_count: int = None,
     engine=None,
+    sync_every: int = 1,
 ) -> dict:
     """Trains the demo model; returns figures (loss, examples/s, recalls).
 
@@ -188,6 +189,8 @@ def train(
     max_rows: keep each table at most this big (RestrictCallback, needs a
     policy; 'frequency' if none given); min_count: CounterFilter admission.
     engine: a tfde.demo.engines.Engine (one worker of several), or None.
+    sync_every: semi-synchronous training with a sync every that many steps
+    (tfde.keras.callbacks.PeriodicSync; docs/semi-sync.md); 1: exact.
     With several workers each trains on its share of the data with batch_size
     examples per step; only the chief (worker 0) prints."""
     engine = engine or Engine(None)
@@ -220,6 +223,8 @@ def train(
         callbacks.append(
             tfde.keras.callbacks.RestrictCallback(max_size=max_rows, num_reserved=max(1, int(max_rows * 0.9)))
         )
+    if sync_every > 1:
+        callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every))
     if engine.size == 1:
         ds, steps = in_batch_dataset(data.train_users, data.train_items, batch_size, seed), None
     else:  # every worker takes the same number of steps through its share, repeated

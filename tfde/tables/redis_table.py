@@ -146,6 +146,25 @@ local function encode(x)
   if e + 15 >= 31 then return struct.pack('<I2', sign + 31744) end
   return struct.pack('<I2', sign + (e + 15) * 1024 + m)
 end
+if kind == 'f' or kind == 'd' then
+  -- float32 and float64 rows: struct decodes and encodes a block of a row
+  -- at once (the same sums and roundings as decode and encode, about ten
+  -- times faster than one call per number).
+  for i = 4, #ARGV, 3 do
+    local cur = redis.call('HGET', KEYS[1], ARGV[i]) or ARGV[i + 2]
+    local delta, out = ARGV[i + 1], {}
+    for s = 0, dim - 1, 200 do
+      local n = math.min(200, dim - s)
+      local fmt = '<' .. string.rep(kind, n)
+      local a = {struct.unpack(fmt, cur, s * size + 1)}
+      local b = {struct.unpack(fmt, delta, s * size + 1)}
+      for j = 1, n do a[j] = a[j] + b[j] end
+      out[#out + 1] = struct.pack(fmt, unpack(a, 1, n))
+    end
+    redis.call('HSET', KEYS[1], ARGV[i], table.concat(out))
+  end
+  return (#ARGV - 3) / 3
+end
 for i = 4, #ARGV, 3 do
   local cur = redis.call('HGET', KEYS[1], ARGV[i]) or ARGV[i + 2]
   local delta, out = ARGV[i + 1], {}
