@@ -11,9 +11,10 @@ payload KiB and ms per step inside tfde's collectives (the dense weights'
 average at a sync included; waiting for the other worker too), and held-out
 quality: recall@100 (two-tower) or AUC (DLRM), with the ratio to k = 1.
 
-  python -m benchmarks.semi_sync_bench                 # 16 runs, about 30 minutes on 2 cores
+  python -m benchmarks.semi_sync_bench                 # 16 runs, about 35 minutes on 2 cores
   python -m benchmarks.semi_sync_bench --quick         # small data, k in {1, 4}: what CI runs
   python -m benchmarks.semi_sync_bench --plot docs/images/semi-sync-tradeoff.png   # also draws (matplotlib)
+  python -m benchmarks.semi_sync_bench --from benchmarks/results/semi-sync-*.json --plot out.png  # a run again
 
 Two workers on a 2-core machine share the cores: the exchange's waiting
 time is what semi-synchronous training saves, and the figures show how much
@@ -130,14 +131,23 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="two-tower,dlrm")
     p.add_argument("--layouts", default="cuckoo,redis")
     p.add_argument("--interactions", type=int, default=200_000, help="two-tower data")
-    p.add_argument("--examples", type=int, default=400_000, help="DLRM data")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--examples", type=int, default=200_000, help="DLRM data")
+    p.add_argument("--epochs", type=int, default=3, help="two-tower epochs")
+    p.add_argument("--dlrm-epochs", type=int, default=2)
     p.add_argument("--port", type=int, default=6379)
     p.add_argument("--plot", help="also draw the trade-off curves into this PNG (needs matplotlib)")
     p.add_argument("--quick", action="store_true", help="small data, 1 epoch, k in {1, 4}: about two minutes")
+    p.add_argument("--from", dest="source", help="print (and --plot) the results JSON of an earlier run; runs nothing")
     args = p.parse_args(argv)
+    if args.source:
+        saved = json.loads(Path(args.source).read_text())
+        print(table(saved["runs"]))
+        if args.plot:
+            plot(saved["runs"], args.plot, saved["machine"])
+            print(f"plot: {args.plot}")
+        return 0
     if args.quick:
-        args.every, args.models, args.interactions, args.examples, args.epochs = "1,4", "two-tower", 40_000, 0, 1
+        args.every, args.models, args.interactions, args.epochs = "1,4", "two-tower", 40_000, 1
     everies = [int(k) for k in args.every.split(",")]
     if 1 not in everies or any(k < 1 for k in everies):
         p.error("--every must list k = 1 (the baseline) and values >= 1")
@@ -150,13 +160,14 @@ def main(argv=None) -> int:
             size = args.interactions if model == "two-tower" else args.examples
             for layout in args.layouts.split(","):
                 for every in sorted(everies):
-                    r = run(model, layout, every, size, args.epochs, args.port, tmp)
+                    epochs = args.epochs if model == "two-tower" else args.dlrm_epochs
+                    r = run(model, layout, every, size, epochs, args.port, tmp)
                     results.append({"model": model, "layout": layout, "every": every, **r})
                     print(f"  {model}, {layout}, k={every}: {r}", flush=True)
     print(
         f"\nmachine: {info['cpu']}, {info['cores']} cores; tfde git {info['git']}; 2 MWMS workers, tf-keras model.fit, "
-        f"{args.epochs} epoch(s); two-tower: {args.interactions:,} interactions, 1024 examples per worker and step; "
-        f"DLRM: {args.examples:,} examples, 4096 per worker and step"
+        f"two-tower: {args.interactions:,} interactions, {args.epochs} epoch(s), 1024 examples per worker and step; "
+        f"DLRM: {args.examples:,} examples, {args.dlrm_epochs} epoch(s), 4096 per worker and step"
     )
     print(table(results))
     path = write_results("semi-sync", {"machine": info, "args": vars(args), "runs": results})

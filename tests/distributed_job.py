@@ -250,7 +250,7 @@ def restrict_callbacks():
 
 
 PUSHED = []  # [(table name, keys, deltas)] of every sync of this worker (semi-synchronous training)
-KERNELS = []  # the dense layer's kernel before each sync
+KERNELS = []  # the dense layer's kernel before each sync (its length: the syncs recorded so far)
 MODEL_DENSE = []  # the model's dense layer
 
 
@@ -263,8 +263,9 @@ def record_pending(sync):
         names[id(layer.params)] = layer.name
         for slot_name, slot in layer.params.slots.items():
             names[id(slot)] = f"{layer.name}/{slot_name}"
-    for var, keys, deltas in sync.pending():
-        PUSHED.append((names[id(var)], keys.astype("S") if keys.dtype == object else keys, deltas))
+    for var, keys, deltas, _ in sync.pending():
+        keys = keys.astype("S") if keys.dtype == object else keys
+        PUSHED.append((names[id(var)], keys, deltas, np.full(len(keys), len(KERNELS))))
 
 
 class PushRecorder(tf.keras.callbacks.Callback):
@@ -445,12 +446,13 @@ def train_and_save():
         periodic.stop()
     if cfg.get("sync_every"):
         pushed = {}
-        for name, keys, deltas in PUSHED:
-            pushed.setdefault(name, []).append((keys, deltas))
+        for name, keys, deltas, sync_number in PUSHED:
+            pushed.setdefault(name, []).append((keys, deltas, sync_number))
         np.savez(
             f"{cfg['out']}-pushed-w{index}.npz",
-            **{f"{n}/keys": np.concatenate([k for k, _ in v]) for n, v in pushed.items()},
-            **{f"{n}/deltas": np.concatenate([d for _, d in v]) for n, v in pushed.items()},
+            **{f"{n}/keys": np.concatenate([k for k, _, _ in v]) for n, v in pushed.items()},
+            **{f"{n}/deltas": np.concatenate([d for _, d, _ in v]) for n, v in pushed.items()},
+            **{f"{n}/sync": np.concatenate([s for _, _, s in v]) for n, v in pushed.items()},
             kernels=np.stack(KERNELS) if KERNELS else np.zeros([0]),
         )
     eager_read = None

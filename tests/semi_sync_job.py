@@ -8,8 +8,8 @@ per process, embeddings accumulated into Redis every k steps).
 CONFIG: {"tag": Redis model tag, "seed": data seed, "steps": T, "every": k,
          "die_after_step": n or null (SIGKILL after that step), "out": prefix}
 
-After each sync it writes OUT-syncN.npz: the (keys, deltas) it pushed for
-the table and each of Adam's slots.  Several of these run at once on the
+After each sync it writes OUT-syncN.npz: the keys, deltas and values it
+pushed for the table and each of Adam's slots.  Several of these run at once on the
 same tables (no engine: each process trains alone)."""
 
 import json
@@ -48,8 +48,9 @@ def step(batch_ids, y):
 def record(number, pending):
     names = {id(table): "table", **{id(s): name for name, s in table.slots.items()}}
     out = {}
-    for var, keys, deltas in pending:
-        out[f"{names[id(var)]}/keys"], out[f"{names[id(var)]}/deltas"] = keys, deltas
+    for var, keys, deltas, values in pending:
+        name = names[id(var)]
+        out[f"{name}/keys"], out[f"{name}/deltas"], out[f"{name}/values"] = keys, deltas, values
     np.savez(f"{cfg['out']}-sync{number}.npz", **out)
 
 

@@ -94,6 +94,15 @@ def test_distributed_bench_quick_with_both_engines():
         assert run in out, (run, out[-2000:])
 
 
+def test_semi_sync_bench_quick_and_again_from_its_results():
+    out = _bench("benchmarks.semi_sync_bench", "--quick", timeout=1200)
+    for layout in ("cuckoo", "redis"):
+        for k in (1, 4):
+            assert re.search(rf"two-tower {layout:<9}\s+{k}\s+[\d,]+", out), (layout, k, out[-2000:])
+    again = _bench("benchmarks.semi_sync_bench", "--from", str(_written(out)))
+    assert again.strip().splitlines()[-4:] == out.split("written:")[0].strip().splitlines()[-4:]
+
+
 def test_dlrm_bench_table_of_several_rounds():
     # The median of two rounds' collective op counts [10, 10] was 10.0, which
     # the table's integer column refused after a 36-minute run: counts stay ints.

@@ -19,16 +19,24 @@ A sync (every k steps, before every checkpoint save, at the end) runs on
 every worker at once:
 
 * each worker's deltas (local value minus base) of the keys whose row or
-  slots it changed are added to the store: in a job, through the exchange,
-  which sums the workers' deltas of a key at its owner, who adds them to
-  its table or writes the key's new row and slots to the shared store (the
-  key's only writer, as in an exact step); a process training alone (several
-  may share a Redis store) adds them with the store's atomic accumulation,
-  so concurrent pushes never lose an update;
+  slots it changed go to the store.  In a job, the exchange takes them to
+  each key's owner: the rows' deltas summed over the workers (as an exact
+  step sums their gradients), the slots' deltas averaged over the workers
+  that changed the key (optimizer state such as Adam's moments are moving
+  averages: a sum would over-count their decay, even below zero); the
+  owner adds them to its table, or writes the key's new row and slots to
+  a shared store, its only writer as in an exact step.  A process training
+  alone (several may share a Redis store) adds its rows' deltas with the
+  store's atomic accumulation, so concurrent pushes never lose an update,
+  and writes its slots as they are (the last process to sync a key sets
+  them);
 * the local tables are emptied, so the next lookup of a key reads the
   store's row, which holds every worker's deltas;
 * the dense weights are averaged over the workers (their optimizer state
   stays each worker's own).
+
+A sync that fails detaches the local tables without pushing again (no
+delta is ever counted twice); that worker's unsynced deltas are lost.
 
 Variables with a restrict policy, an admission filter or change tracking
 are refused for now: their state is not a sum of per-worker deltas.
@@ -36,6 +44,8 @@ are refused for now: their state is not a sum of per-worker deltas.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -51,6 +61,17 @@ _ZERO = InitSpec("constant", 0.0, 0.0, 0)  # what a key missing from a local tab
 _ALL_ROWS = 2**62  # export_chunk's max_rows for "every row in one chunk"
 
 _running: Optional["PeriodicSync"] = None  # the PeriodicSync whose local steps are on
+# Counts the starts and stops of local steps; a step traced during local
+# steps checks it when it runs, so a stale one (traced then, run after
+# stop()) fails instead of training tables nobody syncs.
+_GENERATION = []
+
+
+def _generation():
+    with tf.init_scope():
+        if not _GENERATION:
+            _GENERATION.append(tf.Variable(tf.constant(0, tf.int64), trainable=False, name="tfde_local_steps"))
+    return _GENERATION[0]
 
 
 def local_steps_on() -> bool:
@@ -105,43 +126,55 @@ class _Entry:
             ops += [t.rows.insert(keys, part), t.base.insert(keys, part)]
         return ops
 
+    def compute_dtype(self):
+        return tf.float64 if self.var.value_dtype == tf.float64 else tf.float32
+
     def deltas(self):
-        """(keys [c], deltas [c, sum of widths]) of the keys whose row or a
-        slot changed since it was fetched: local value minus base."""
+        """(keys [c], deltas [c, sum of widths], local values [c, sum of
+        widths]) of the keys whose row or a slot changed since it was
+        fetched; deltas are local value minus base, in float32 (float64 for
+        float64 tables)."""
+        compute = self.compute_dtype()
         keys, rows, _ = self.tables[0].rows.export_chunk(0, _ALL_ROWS)
-        parts = []
+        local, deltas = [], []
         for i, t in enumerate(self.tables):
-            local = rows if i == 0 else t.rows.find(keys, _ZERO)[0]
-            parts.append(tf.cast(local, self.var.value_dtype) - tf.cast(t.base.find(keys, _ZERO)[0], local.dtype))
-        packed = tf.concat([tf.cast(p, self.var.value_dtype) for p in parts], 1)
+            now = tf.cast(rows if i == 0 else t.rows.find(keys, _ZERO)[0], compute)
+            local.append(now)
+            deltas.append(now - tf.cast(t.base.find(keys, _ZERO)[0], compute))
+        packed, local = tf.concat(deltas, 1), tf.concat(local, 1)
         changed = tf.reduce_any(tf.not_equal(packed, 0), axis=1)
-        return tf.boolean_mask(keys, changed), tf.boolean_mask(packed, changed)
+        return tuple(tf.boolean_mask(t, changed) for t in (keys, packed, local))
 
-    def accumulate(self, keys, packed) -> list:
-        """Adds the deltas `packed` of `keys` to the store (a key not stored
-        starts from its initial row, as in the base it was fetched with),
-        atomically per key on the store (Table.accum): several processes
-        may push the same keys at once."""
-        ops = []
-        for v, part in zip([self.var] + self.slots, tf.split(packed, self.widths, axis=1)):
-            op = v.accum(keys, tf.cast(part, v.value_dtype))
-            if op is not None:
-                ops.append(op)
-        return ops
-
-    def add_owned(self, keys, packed) -> list:
-        """Adds the deltas `packed` (summed over the workers) of the keys
-        this worker owns: in-process tables accumulate in place; a shared
-        store is read, added to and written back with the key's row and
-        slots in one write (Variable._write_step), as the owner writes a
-        training step: the only writer of these keys in the job, so the
-        server need not add (its atomic accumulation costs about ten times
-        as much per row)."""
-        if not self.var.shared_between_workers:
-            return self.accumulate(keys, packed)
-        variables = [self.var] + self.slots
+    def push_alone(self, keys, packed, local) -> list:
+        """A process training alone: the rows' deltas added to the store
+        atomically per key (Table.accum; several processes may push the
+        same keys at once), the slots written as they are."""
         parts = tf.split(packed, self.widths, axis=1)
-        new = [v._find(keys, in_step=True)[0] + tf.cast(d, v.value_dtype) for v, d in zip(variables, parts)]
+        ops = [self.var.accum(keys, tf.cast(parts[0], self.var.value_dtype))]
+        for slot, values in zip(self.slots, tf.split(local, self.widths, axis=1)[1:]):
+            ops += slot._write_step(keys, tf.cast(values, slot.value_dtype), {}, store=True)
+        return [op for op in ops if op is not None]
+
+    def add_owned(self, keys, summed) -> list:
+        """The keys this worker owns: `summed` [k, sum of widths + 1] holds
+        their rows' and slots' deltas summed over the workers and, last, how
+        many workers changed each key.  The rows take the sum, the slots
+        the mean (module docstring); in-process tables add them in place, a
+        shared store is read, added to and written back with the key's row
+        and slots in one write (Variable._write_step), as the owner writes a
+        training step: the only writer of these keys in the job, so the
+        store need not add (its atomic accumulation costs far more per row)."""
+        count = summed[:, -1:]
+        parts = tf.split(summed[:, :-1], self.widths, axis=1)
+        parts = parts[:1] + [tf.math.divide_no_nan(d, count) for d in parts[1:]]
+        variables = [self.var] + self.slots
+        if not self.var.shared_between_workers:
+            ops = [v.accum(keys, tf.cast(d, v.value_dtype)) for v, d in zip(variables, parts)]
+            return [op for op in ops if op is not None]
+        new = [
+            tf.cast(tf.cast(v._find(keys, in_step=True)[0], d.dtype) + d, v.value_dtype)
+            for v, d in zip(variables, parts)
+        ]
         return self.var._write_step(keys, new[0], dict(zip(self.slots, new[1:])), store=True)
 
     def clear(self) -> list:
@@ -166,6 +199,15 @@ class LocalSteps(_exchange.Exchange):
 
     def rows_for_many(self, lookups):
         entries = [self._sync._entry(p.variable) for p in lookups]
+        stale = tf.debugging.assert_equal(
+            _generation().read_value(),
+            tf.constant(self._sync._generation, tf.int64),
+            message="this training step was traced during the local steps of semi-synchronous training that "
+            "have stopped since (PeriodicSync.stop); trace it again (Keras: model.make_train_function(force=True), "
+            "which the PeriodicSync callback does)",
+        )
+        with tf.control_dependencies([stale]):
+            lookups = [_exchange.Lookup(tf.identity(p.keys), p.find, p.placement, p.variable) for p in lookups]
         misses = [e.missing(p.keys) for e, p in zip(entries, lookups)]
         fetched = [None] * len(lookups)
         through = [i for i, e in enumerate(entries) if self._inner.collective and not e.var.shared_between_workers]
@@ -185,13 +227,21 @@ class LocalSteps(_exchange.Exchange):
         return out
 
     def gradient_scale(self, optimizer) -> float:
-        return self._inner.local_step_scale()
+        # The rows' deltas are summed over the workers at a sync, as an
+        # exact step sums (or averages) their gradients: each worker
+        # applies its share of the exact step.
+        return self._inner.local_step_scale() / self._inner.size
 
     def prepare_gradients(self, optimizer, grads_and_vars) -> list:
+        # The dense weights are averaged at a sync: each worker applies the
+        # whole exact step's scale to its own gradient.
         scale = self._inner.local_step_scale()
         if scale == 1.0:
             return grads_and_vars
-        return [(None if g is None else _scaled(g, scale), v) for g, v in grads_and_vars]
+        return [
+            (g if g is None or getattr(v, "_tfde_variable", None) is not None else _scaled(g, scale), v)
+            for g, v in grads_and_vars
+        ]
 
 
 def _scaled(g, scale):
@@ -240,7 +290,10 @@ class PeriodicSync:
         if k is None or k < 1:
             raise ConfigError(f"every must be an int >= 1 (steps between syncs; 1 is exact training), got {every!r}")
         self.every = k
-        self.variables = list(variables)
+        unique = {id(v): v for v in variables}
+        # Sorted by name: every worker pushes the same Variables in the same
+        # order (the sync's collectives pair them up).
+        self.variables = sorted(unique.values(), key=lambda v: v.name)
         self.optimizer = optimizer
         self._dense = dense
         if strategy is None and tf.distribute.has_strategy():
@@ -252,6 +305,7 @@ class PeriodicSync:
         self.syncs = 0
         self._entries = None
         self._sync_fn = None
+        self._generation = 0
 
     # ---------------------------------------------------------------- control
 
@@ -266,11 +320,22 @@ class PeriodicSync:
         if self.every == 1:
             return
         if _running is not None:
-            raise ConfigError("semi-synchronous training is on already (one PeriodicSync at a time); stop() it first")
+            raise ConfigError(
+                "semi-synchronous training is on already (one PeriodicSync at a time); stop() it first, or "
+                "tfde.semi_sync.abort() what a failed run left on"
+            )
+        if self.strategy is None and _exchange.installed() is None and _workers_in_tf_config() > 1:
+            raise ConfigError(
+                f"TF_CONFIG names {_workers_in_tf_config()} workers, but PeriodicSync found no strategy: its syncs "
+                "would not reach the other workers; pass strategy= (or create it and the Variables under "
+                "strategy.scope())"
+            )
         self._entries = [self._make_entry(v) for v in self.variables]
+        self._sync_fn = None  # traced against these entries' tables
         for e in self._entries:
             e.attach(True)
         _running = self
+        self._generation = int(_generation().assign_add(1).numpy())
         _exchange.set_local_steps(lambda inner: LocalSteps(self, inner))
         engine = _exchange.installed()
         if engine is not None:
@@ -291,45 +356,62 @@ class PeriodicSync:
     def sync(self) -> None:
         """Pushes every worker's deltas to the stores, empties the local
         tables and averages the dense weights; every worker must call it
-        at the same point."""
-        if not self.running:
+        at the same point.  Nothing to do (and no collective) when no step
+        was counted (after_step, or `steps` set by the caller) since the
+        last sync.  A sync that fails detaches the local tables (abort) and
+        raises: what it did not push is lost, and never pushed twice."""
+        if not self.running or self.steps == 0:
             return
         if self._sync_fn is None:
             self._sync_fn = tf.function(self._sync_body, autograph=False)
-        if self.strategy is not None:
-            self.strategy.run(self._sync_fn)
-        else:
-            self._sync_fn()
+        try:
+            if self.strategy is not None:
+                self.strategy.run(self._sync_fn)
+            else:
+                self._sync_fn()
+        except BaseException:
+            self.abort()
+            raise
         self.steps = 0
         self.syncs += 1
 
     def stop(self) -> None:
         """Syncs, then turns local steps off (trace the step again)."""
+        if not self.running:
+            return
+        self.sync()
+        self.abort()
+
+    def abort(self) -> None:
+        """Turns local steps off without syncing: this worker's deltas since
+        the last sync are dropped (what a failed run leaves must not be
+        pushed twice or late)."""
         global _running
         if not self.running:
             return
-        try:
-            self.sync()
-        finally:
-            for e in self._entries:
-                e.attach(False)
-            _running = None
-            _exchange.set_local_steps(None)
-            engine = _exchange.installed()
-            if engine is not None:
-                engine.keep_gradients_local(self.optimizer, False)
+        for e in self._entries:
+            e.attach(False)
+        _running = None
+        _generation().assign_add(1)
+        _exchange.set_local_steps(None)
+        engine = _exchange.installed()
+        if engine is not None:
+            engine.keep_gradients_local(self.optimizer, False)
+        self.steps = 0
 
     def pending(self) -> list:
         """What the next sync would push from this worker, eagerly: a list
-        of (Variable, keys [c] numpy, deltas [c, dim] numpy) for every
-        trained Variable and each of its optimizer slots (slot Variables,
-        Variable.slots), over the keys whose row or a slot changed since it
-        was fetched.  A worker that stops now loses exactly these."""
+        of (Variable, keys [c], deltas [c, dim], values [c, dim]) (numpy)
+        for every trained Variable and each of its optimizer slots (slot
+        Variables, Variable.slots), over the keys whose row or a slot
+        changed since it was fetched: the local value minus the base, and
+        the local value.  A worker that stops now loses exactly these."""
         out = []
         for e in self._entries if self.running else []:
-            keys, packed = e.deltas()
-            for v, part in zip([e.var] + e.slots, tf.split(packed, e.widths, axis=1)):
-                out.append((v, keys.numpy(), part.numpy()))
+            keys, packed, local = e.deltas()
+            pieces = zip(tf.split(packed, e.widths, axis=1), tf.split(local, e.widths, axis=1))
+            for v, (delta, value) in zip([e.var] + e.slots, pieces):
+                out.append((v, keys.numpy(), delta.numpy(), tf.cast(value, v.value_dtype).numpy()))
         return out
 
     # ---------------------------------------------------------------- internals
@@ -352,6 +434,8 @@ class PeriodicSync:
         return _Entry(var, slots)
 
     def _entry(self, var) -> _Entry:
+        if var is None:
+            raise ConfigError("a lookup between syncs of semi-synchronous training must name its Variable (Lookup)")
         for e in self._entries:
             if e.var is var:
                 return e
@@ -362,47 +446,51 @@ class PeriodicSync:
 
     def _sync_body(self):
         ex = _exchange.engine_active()
-        alone, routed = [], []
-        for e in self._entries:
-            keys, packed = e.deltas()
-            (routed if ex.collective else alone).append((e, keys, packed))
-        # Alone (independent processes may share a Redis store): atomic
-        # accumulation on the store.
-        writes = [op for e, keys, packed in alone for op in e.accumulate(keys, packed)]
-        if routed:
+        pending = [(e,) + e.deltas() for e in self._entries]
+        writes = []
+        if not ex.collective:
+            # Alone (independent processes may share a Redis store).
+            writes = [op for e, keys, packed, local in pending for op in e.push_alone(keys, packed, local)]
+        else:
             # In a job: each key's deltas summed at its owner, its only
             # writer, by the exchange's own two steps: a lookup gives the
             # buffer the workers' deltas are summed in, then the owners get
-            # the sums.
+            # the sums (with a last column of ones: how many workers
+            # changed each key).
             buffers = ex.rows_for_many(
                 [
                     _exchange.Lookup(keys, lambda k: tf.zeros([tf.size(k), 1], tf.float32), e.var.placement)
-                    for e, keys, _ in routed
+                    for e, keys, _, _ in pending
                 ]
             )
             parts = [
                 _exchange.Gradient(
                     buffer_keys,
                     tf.range(tf.size(keys)) if mine is None else mine,
-                    tf.cast(packed, tf.float64 if e.var.value_dtype == tf.float64 else tf.float32),
+                    tf.concat([packed, tf.ones_like(packed[:, :1])], 1),
                     e.var.placement,
                 )
-                for (e, keys, packed), (buffer_keys, _, mine) in zip(routed, buffers)
+                for (e, keys, packed, _), (buffer_keys, _, mine) in zip(pending, buffers)
             ]
-            for (e, _, _), (owned, summed) in zip(routed, ex.owner_gradients_many(parts)):
+            for (e, _, _, _), (owned, summed) in zip(pending, ex.owner_gradients_many(parts)):
                 writes += e.add_owned(owned, summed)
         with tf.control_dependencies(writes):
             cleared = [op for e in self._entries for op in e.clear()]
-        assigns = []
-        # After the pushes: a worker whose partner is lost still pushes its
-        # deltas before the average fails.
+        # After the pushes: a worker whose partner is lost still makes its
+        # writes before the average fails; and the average (or, without
+        # dense weights, a one-number one) is a barrier: every owner's
+        # writes are done before any worker's next lookup fetches.
         dense = self._dense() if callable(self._dense) else self._dense
         weights = [_tf_variable(v) for v in dense if getattr(v, "_tfde_variable", None) is None]
-        with tf.control_dependencies(writes):
-            values = [w.read_value() for w in weights]
-        if weights and ex.size > 1:
+        weights = [w for w in weights if w.dtype.is_floating]
+        assigns = []
+        if ex.size > 1:
+            with tf.control_dependencies(writes):
+                values = [w.read_value() for w in weights] or [tf.zeros([1])]
             for w, mean in zip(weights, ex.average(values)):
                 assigns.append(w.assign(mean))
+            if not weights:
+                assigns.append(ex.average(values)[0])
         with tf.control_dependencies(cleared + assigns):
             return tf.constant(True)
 
@@ -422,3 +510,23 @@ def discard_local() -> None:
         for e in _running._entries:
             e.clear()
         _running.steps = 0
+
+
+def running() -> Optional[PeriodicSync]:
+    """The PeriodicSync whose local steps are on, or None."""
+    return _running
+
+
+def abort() -> None:
+    """Turns off the local steps a failed run left on, without syncing (its
+    unsynced deltas are dropped); nothing when none are on."""
+    if _running is not None:
+        _running.abort()
+
+
+def _workers_in_tf_config() -> int:
+    try:
+        cluster = json.loads(os.environ.get("TF_CONFIG", "") or "{}").get("cluster", {})
+    except ValueError:
+        return 1
+    return sum(len(v) for k, v in cluster.items() if k in ("worker", "chief"))

@@ -433,7 +433,8 @@ class Variable(tf.Module):
         """Stores `values` (``keys.shape + [dim]``) under `keys`."""
         flat = self._flat_keys(keys)
         rows = self._counted(flat, self._rows_arg(values))
-        return tf.group(self._for_each_shard(flat, rows, lambda t, k, r: t.insert(k, r)))
+        with tf.control_dependencies(self._drop_local(flat)):
+            return tf.group(self._for_each_shard(flat, rows, lambda t, k, r: t.insert(k, r)))
 
     def accum(self, keys: KeysLike, deltas: RowsLike) -> Optional[tf.Operation]:
         """Adds `deltas` to the rows of `keys`; a key not stored yet starts from
@@ -445,7 +446,17 @@ class Variable(tf.Module):
             missing = self._missing(k)
             return table.accum(k, d, missing)
 
-        return tf.group(self._for_each_shard(flat, rows, one))
+        with tf.control_dependencies(self._drop_local(flat)):
+            return tf.group(self._for_each_shard(flat, rows, one))
+
+    def _drop_local(self, flat) -> list:
+        """Between the syncs of semi-synchronous training, a write to the
+        store drops the keys from this worker's local tables (what it
+        trained of them since the last sync is lost), so their next lookup
+        reads what was written (docs/semi-sync.md)."""
+        if self._local is None:
+            return []
+        return [self._local.rows.remove(flat), self._local.base.remove(flat)]
 
     def remove(self, keys: KeysLike) -> tf.Tensor:
         """Removes `keys` from the rows, every slot (optimizer and policy
@@ -457,7 +468,7 @@ class Variable(tf.Module):
 
     def _remove_everywhere(self, flat):
         """(rows removed, the removal ops) over rows, slots and change log."""
-        deps = [] if self.changes is None else [self.changes.on_remove(flat)]
+        deps = ([] if self.changes is None else [self.changes.on_remove(flat)]) + self._drop_local(flat)
         with tf.control_dependencies(deps):
             removed = tf.add_n(self._for_each_shard(flat, None, lambda t, k, r: t.remove(k)))
         slot_writes = []
@@ -473,6 +484,8 @@ class Variable(tf.Module):
 
     def _clear_all(self) -> list:
         ops = [t.clear() for t in self._write_tables()]
+        if self._local is not None:
+            ops += [self._local.rows.clear(), self._local.base.clear()]
         for slot in self._slots.values():
             ops.extend(slot._clear_all())
         return [o for o in ops if o is not None]
@@ -640,7 +653,9 @@ class Variable(tf.Module):
         """Rows and exists of keys that may be owned by any worker, as one
         [n, dim + 1] tensor (exists as 0/1 in the last column: one exchange
         carries both); through `ex`, else the active exchange."""
-        ex = ex or _exchange.active()
+        # Not active(): a plain read reads the stores, also between the syncs
+        # of semi-synchronous training.
+        ex = ex or _exchange.engine_active()
         unique, positions = tf.unique(flat_keys, out_idx=tf.int32)
 
         def find(keys):

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from distributed_check import redis_tag  # noqa: E402
+from distributed_check import redis_tag, run_job  # noqa: E402
 from test_semi_sync import check_every_1_is_exact, check_every_k_pushes  # noqa: E402
 
 assert os.environ.get("TF_USE_LEGACY_KERAS") == "1", "Horovod's Keras support needs tf-keras: TF_USE_LEGACY_KERAS=1"
@@ -33,3 +33,10 @@ def test_every_1_is_exact_training_under_horovod(tmp_path, tag, model, layout):
 @pytest.mark.parametrize("model,layout", CASES)
 def test_every_k_stores_initial_rows_plus_every_workers_deltas_under_horovod(tmp_path, tag, model, layout):
     check_every_k_pushes(tmp_path, tag, "hvd", layout, {"model": model})
+
+
+def test_steps_where_no_worker_fetches_a_new_key_under_horovod(tmp_path, tag):
+    """As tests/test_semi_sync.py's: lookups between syncs that fetch nothing
+    on any worker, and a last sync with nothing to push."""
+    tables, _ = run_job(tmp_path, 2, "hvd", "adam", "cuckoo", tag, {"sync_every": 4, "steps": 2, "repeat": 4})
+    assert len(tables["item_emb"]) > 0

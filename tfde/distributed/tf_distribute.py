@@ -46,6 +46,19 @@ class GatherExchange(exchange.Exchange):
     def _gather(self, tensor):
         return exchange.measured(lambda t: self.ctx.all_gather(t, axis=0), tensor)
 
+    def _gather_blocks(self, tensor, rows_per_worker):
+        """All-gather of `tensor` ([n, ...], n = rows_per_worker[rank]) that
+        may be empty on every worker: TensorFlow's all-gather crashes the
+        process (SIGSEGV, TF 2.21) when the gathered tensor is empty on all
+        of them, as a step between syncs of semi-synchronous training can
+        make it (no key is new to any worker).  Each worker adds one row,
+        taken out after the gather by its known position."""
+        pad = tf.zeros(tf.concat([[1], tf.shape(tensor)[1:]], 0), tensor.dtype)
+        gathered = self._gather(tf.concat([tensor, pad], 0))
+        ends = tf.cumsum(tf.cast(rows_per_worker, tf.int32) + 1)  # one past each worker's pad row
+        is_pad = tf.scatter_nd((ends - 1)[:, None], tf.ones_like(ends), tf.shape(gathered)[:1]) > 0
+        return tf.boolean_mask(gathered, tf.logical_not(is_pad))
+
     def _sum(self, tensor):
         return exchange.measured(lambda t: self.ctx.all_reduce(tf.distribute.ReduceOp.SUM, t), tensor)
 
@@ -84,7 +97,8 @@ class GatherExchange(exchange.Exchange):
         counts = tf.stack([tf.shape(p.keys, out_type=tf.int32)[0] for p in lookups])
         sizes = tf.reshape(self._gather(counts), [self.size, parts])  # [worker, part]
         packed, unpack = pack_keys([p.keys for p in lookups], lambda n: tf.reduce_max(self._gather(n[None])))
-        every = self._gather(packed)  # worker after worker, each worker's parts in order
+        # Worker after worker, each worker's parts in order.
+        every = self._gather_blocks(packed, tf.reduce_sum(sizes, axis=1))
         if parts == 1:
             pieces = [every]
         else:

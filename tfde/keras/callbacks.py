@@ -127,7 +127,8 @@ class PeriodicSync(tf.keras.callbacks.Callback):
     then does nothing.
 
     Every trainable tfde Variable of the model takes local steps, and all
-    of the model's dense weights are averaged at each sync.  The step
+    of the model's dense weights are averaged at each sync.  Validation
+    during fit (validation_data) syncs first.  The step
     function is traced again when training begins and ends, so a later fit
     without the callback is exact again.  With steps_per_execution > 1 a
     sync comes after the first batch end at least `every` steps after the
@@ -152,6 +153,11 @@ class PeriodicSync(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         if self.every == 1:
             return
+        stale = semi_sync.running()
+        if stale is not None and getattr(stale, "_from_keras_callback", False):
+            # Keras does not end a fit that raised: what it left on goes,
+            # without a sync (its deltas are lost, as the failure's).
+            stale.abort()
         model = self.model
         variables = [v for v in model_variables(model) if v.trainable]
         if not variables:
@@ -163,21 +169,39 @@ class PeriodicSync(tf.keras.callbacks.Callback):
             return [w for w in model.weights if not is_step_buffer(w) and tf.as_dtype(w.dtype).is_floating]
 
         self.sync = semi_sync.PeriodicSync(self.every, variables, model.optimizer, dense, strategy=strategy)
+        self.sync._from_keras_callback = True
         self.sync.start()
         self._last = int(model.optimizer.iterations.numpy())
         model.make_train_function(force=True)  # traced again, with local steps
 
+    def _count(self) -> int:
+        """Steps since the last sync (the optimizer's iterations: right with
+        steps_per_execution > 1 too), told to the PeriodicSync."""
+        step = int(self.model.optimizer.iterations.numpy())
+        self.sync.steps = step - self._last
+        return step
+
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         if self.sync is None:
             return
-        step = int(self.model.optimizer.iterations.numpy())
-        if step - self._last >= self.every:
+        step = self._count()
+        if self.sync.steps >= self.every:
             self.sync.sync()
             self._last = step
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        # Validation during fit reads the stores: sync first (every worker
+        # validates at the same point), so it sees every worker's updates.
+        if self.sync is not None:
+            self._last = self._count()
+            self.sync.sync()
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         if self.sync is None:
             return
-        self.sync.stop()
-        self.sync = None
-        self.model.train_function = None  # the next fit traces an exact step
+        try:
+            self._count()
+            self.sync.stop()
+        finally:
+            self.sync = None
+            self.model.train_function = None  # the next fit traces an exact step
