@@ -11,7 +11,7 @@ payload KiB and ms per step inside tfde's collectives (the dense weights'
 average at a sync included; waiting for the other worker too), and held-out
 quality: recall@100 (two-tower) or AUC (DLRM), with the ratio to k = 1.
 
-  python -m benchmarks.semi_sync_bench                 # 16 runs, about 35 minutes on 2 cores
+  python -m benchmarks.semi_sync_bench                 # 16 runs, about 20 minutes on 2 cores
   python -m benchmarks.semi_sync_bench --quick         # small data, k in {1, 4}: what CI runs
   python -m benchmarks.semi_sync_bench --plot docs/images/semi-sync-tradeoff.png   # also draws (matplotlib)
   python -m benchmarks.semi_sync_bench --from benchmarks/results/semi-sync-*.json --plot out.png  # a run again
@@ -38,15 +38,17 @@ from benchmarks.distributed_bench import parse
 HERE = Path(__file__).resolve().parent
 MODELS = {
     # model: (flags, quality key, quality name)
-    "two-tower": (["--interactions", "{size}", "--users", "20000", "--items", "5000"], "recall", "recall@100"),
+    "two-tower": (["--interactions", "{size}", "--users", "{users}", "--items", "{items}"], "recall", "recall@100"),
     "dlrm": (["--model", "dlrm", "--examples", "{size}"], "auc", "AUC"),
 }
 
 
-def run(model: str, layout: str, every: int, size: int, epochs: int, port: int, tmp: str) -> dict:
+def run(
+    model: str, layout: str, every: int, size: int, epochs: int, port: int, tmp: str, users=20_000, items=5_000
+) -> dict:
     flags, _, _ = MODELS[model]
     cmd = [sys.executable, "-m", "tfde", "train", "--keras", "tf-keras", "--epochs", str(epochs)]
-    cmd += [f.format(size=size) for f in flags]
+    cmd += [f.format(size=size, users=users, items=items) for f in flags]
     cmd += ["--workers", "2", "--engine", "mwms", "--exchange-stats", "--sync-every", str(every)]
     tag = None
     if layout == "redis":
@@ -77,7 +79,7 @@ def run(model: str, layout: str, every: int, size: int, epochs: int, port: int, 
 def table(results: list) -> str:
     lines = [
         f"{'model':<10}{'layout':<15}{'k':>4}{'examples/s':>12}{'× k=1':>7}{'KiB/step':>10}{'exchange ms':>12}"
-        f"{'step ms':>9}{'quality':>17}{'× k=1':>7}"
+        f"{'step ms':>9}{'quality':>19}{'× k=1':>7}"
     ]
     base = {(r["model"], r["layout"]): r for r in results if r["every"] == 1}
     for r in results:
@@ -88,7 +90,7 @@ def table(results: list) -> str:
         lines.append(
             f"{r['model']:<10}{r['layout']:<15}{r['every']:>4}{r.get('examples_per_s', 0):>12,.0f}{speed:>7}"
             f"{r.get('kib_per_step', 0):>10,.0f}{r.get('exchange_ms', 0):>12.1f}{r.get('step_ms', 0):>9.1f}"
-            f"{name + ' ' + format(r.get(key, 0), '.4f'):>17}{quality:>7}"
+            f"{name + ' ' + format(r.get(key, 0), '.4f'):>19}{quality:>7}"
         )
     return "\n".join(lines)
 
@@ -113,8 +115,10 @@ def plot(results: list, path: str, info: dict) -> None:
         label = f"{model}, {layout}"
         axes[0].plot(ks, [r["examples_per_s"] / base["examples_per_s"] for r in runs], marker=marker, label=label)
         axes[1].plot(ks, [r[key] / base[key] for r in runs], marker=marker, label=f"{label} ({name})")
+    ticks = sorted({r["every"] for r in results})
     for ax, title in zip(axes, ["examples/s relative to k = 1 (exact)", "held-out quality relative to k = 1"]):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(k) for k in ticks])
         ax.set_xlabel("k: steps between syncs")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
@@ -136,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--dlrm-epochs", type=int, default=2)
     p.add_argument("--port", type=int, default=6379)
     p.add_argument("--plot", help="also draw the trade-off curves into this PNG (needs matplotlib)")
-    p.add_argument("--quick", action="store_true", help="small data, 1 epoch, k in {1, 4}: about two minutes")
+    p.add_argument("--quick", action="store_true", help="two-tower, small data, 1 epoch, k in {1, 4}: ~2 minutes")
     p.add_argument("--from", dest="source", help="print (and --plot) the results JSON of an earlier run; runs nothing")
     args = p.parse_args(argv)
     if args.source:
@@ -161,12 +165,14 @@ def main(argv=None) -> int:
             for layout in args.layouts.split(","):
                 for every in sorted(everies):
                     epochs = args.epochs if model == "two-tower" else args.dlrm_epochs
-                    r = run(model, layout, every, size, epochs, args.port, tmp)
+                    vocab = (2_000, 1_000) if args.quick else (20_000, 5_000)
+                    r = run(model, layout, every, size, epochs, args.port, tmp, *vocab)
                     results.append({"model": model, "layout": layout, "every": every, **r})
                     print(f"  {model}, {layout}, k={every}: {r}", flush=True)
     print(
         f"\nmachine: {info['cpu']}, {info['cores']} cores; tfde git {info['git']}; 2 MWMS workers, tf-keras model.fit, "
-        f"two-tower: {args.interactions:,} interactions, {args.epochs} epoch(s), 1024 examples per worker and step; "
+        f"two-tower: {args.interactions:,} interactions ({'2K users, 1K' if args.quick else '20K users, 5K'} items), "
+        f"{args.epochs} epoch(s), 1024 examples per worker and step; "
         f"DLRM: {args.examples:,} examples, {args.dlrm_epochs} epoch(s), 4096 per worker and step"
     )
     print(table(results))

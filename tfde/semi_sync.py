@@ -53,6 +53,7 @@ import tensorflow as tf
 from tfde import exchange as _exchange
 from tfde.errors import ConfigError
 from tfde.initializers import InitSpec
+from tfde.local import local_variable
 from tfde.optimizer_rules import rule_for
 from tfde.tables.base import int_arg
 from tfde.tables.cuckoo import CuckooTableCreator
@@ -70,7 +71,7 @@ _GENERATION = []
 def _generation():
     with tf.init_scope():
         if not _GENERATION:
-            _GENERATION.append(tf.Variable(tf.constant(0, tf.int64), trainable=False, name="tfde_local_steps"))
+            _GENERATION.append(local_variable(tf.constant(0, tf.int64), [], False, "tfde_local_steps"))
     return _GENERATION[0]
 
 

@@ -148,7 +148,7 @@ local function encode(x)
 end
 if kind == 'f' or kind == 'd' then
   -- float32 and float64 rows: struct decodes and encodes a block of a row
-  -- at once (the same sums and roundings as decode and encode, about ten
+  -- at once (the same sums and roundings as decode and encode, about three
   -- times faster than one call per number).
   for i = 4, #ARGV, 3 do
     local cur = redis.call('HGET', KEYS[1], ARGV[i]) or ARGV[i + 2]
