@@ -36,6 +36,19 @@ def trained(every, optimizer="Adam", epochs=1, **emb):
     return model
 
 
+def sgd_step(var, opt, offset=0.0):
+    """A custom loop's training step (a tf.function, traced on first call):
+    the loss is the sum of the looked-up rows minus `offset`."""
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tfde.embedding_lookup(var, ids) - offset)
+        opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
+
+    return step
+
+
 def rows_and_slots(model):
     keys = np.arange(40)
     var = model.emb.params
@@ -120,13 +133,7 @@ def test_a_custom_loop_with_local_steps_and_a_checkpoint_that_syncs_first(tmp_pa
     opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5))
     sync = tfde.semi_sync.PeriodicSync(1000, [var], opt)
     sync.start()
-
-    @tf.function
-    def step(ids):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tfde.embedding_lookup(var, ids) - 1.0)
-        opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
-
+    step = sgd_step(var, opt, offset=1.0)
     try:
         for _ in range(3):
             step(tf.constant([1, 2, 2], tf.int64))
@@ -169,19 +176,9 @@ def test_a_step_traced_during_local_steps_fails_once_they_stop_and_a_restart_wor
     var = tfde.Variable("semi_restart", dim=2, initializer=0.0)
     opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(1.0))
     sync = tfde.semi_sync.PeriodicSync(2, [var], opt)
-
-    def make_step():
-        @tf.function
-        def step(ids):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(tfde.embedding_lookup(var, ids))
-            opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
-
-        return step
-
     for round_ in range(2):
         sync.start()
-        step = make_step()
+        step = sgd_step(var, opt)
         for _ in range(3):
             step(tf.constant([7], tf.int64))
             sync.after_step()
@@ -197,13 +194,7 @@ def test_a_write_to_the_store_between_syncs_replaces_the_local_rows():
     opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(1.0))
     sync = tfde.semi_sync.PeriodicSync(100, [var], opt)
     sync.start()
-
-    @tf.function
-    def step(ids):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tfde.embedding_lookup(var, ids))
-        opt.apply_gradients(zip(tape.gradient(loss, [var.step_buffer]), [var.step_buffer]))
-
+    step = sgd_step(var, opt)
     try:
         step(tf.constant([1, 2], tf.int64))
         sync.after_step()
