@@ -498,8 +498,11 @@ class PeriodicSync:
 
 def sync_now() -> None:
     """Syncs the running semi-synchronous training, if any (a checkpoint
-    save calls it first, so a checkpoint holds a consistent state)."""
+    save calls it first, so a checkpoint holds a consistent state).  It
+    syncs even when no step was counted since the last sync: a Keras
+    callback that saves may run before the one that counts steps."""
     if _running is not None:
+        _running.steps = max(_running.steps, 1)
         _running.sync()
 
 
