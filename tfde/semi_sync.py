@@ -75,6 +75,14 @@ def _generation():
     return _GENERATION[0]
 
 
+def every_arg(every) -> int:
+    """`every` (steps between syncs) as an int >= 1, or a ConfigError."""
+    k = int_arg(every)
+    if k is None or k < 1:
+        raise ConfigError(f"every must be an int >= 1 (steps between syncs; 1 is exact training), got {every!r}")
+    return k
+
+
 def local_steps_on() -> bool:
     """Whether training takes local steps now (read while tracing a step)."""
     return _running is not None
@@ -287,10 +295,7 @@ class PeriodicSync:
     """
 
     def __init__(self, every: int, variables: Sequence, optimizer, dense: Sequence = (), strategy=None):
-        k = int_arg(every)
-        if k is None or k < 1:
-            raise ConfigError(f"every must be an int >= 1 (steps between syncs; 1 is exact training), got {every!r}")
-        self.every = k
+        self.every = every_arg(every)
         unique = {id(v): v for v in variables}
         # Sorted by name: every worker pushes the same Variables in the same
         # order (the sync's collectives pair them up).

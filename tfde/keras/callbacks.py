@@ -12,8 +12,7 @@ from tfde import semi_sync
 from tfde.errors import ConfigError
 from tfde.policy import AutoRestrictor
 from tfde.saving import CheckpointManager
-from tfde.tables.base import int_arg
-from tfde.variable import is_step_buffer, model_variables
+from tfde.variable import model_variables
 
 
 def _policy_variables(model) -> list:
@@ -143,10 +142,7 @@ class PeriodicSync(tf.keras.callbacks.Callback):
 
     def __init__(self, every: int) -> None:
         super().__init__()
-        k = int_arg(every)
-        if k is None or k < 1:
-            raise ConfigError(f"every must be an int >= 1 (steps between syncs; 1 is exact training), got {every!r}")
-        self.every = k
+        self.every = semi_sync.every_arg(every)
         self.sync = None
         self._last = 0
 
@@ -164,9 +160,10 @@ class PeriodicSync(tf.keras.callbacks.Callback):
             raise ConfigError("PeriodicSync found no trainable tfde Variable in the model; it has nothing to sync")
         strategy = getattr(model, "distribute_strategy", None)
 
-        # The model's weights once its first step built them.
+        # The model's weights once its first step built them (PeriodicSync
+        # averages the floating ones that are not step buffers).
         def dense():
-            return [w for w in model.weights if not is_step_buffer(w) and tf.as_dtype(w.dtype).is_floating]
+            return model.weights
 
         self.sync = semi_sync.PeriodicSync(self.every, variables, model.optimizer, dense, strategy=strategy)
         self.sync._from_keras_callback = True
