@@ -240,7 +240,13 @@ def main(argv=None) -> int:
         quiet_tensorflow()
     with _tensorflow_lines_dropped() if quiet else contextlib.nullcontext():
         from tfde import cli
-    return cli.run(args)
+    from tfde.errors import ConfigError
+
+    try:
+        return cli.run(args)
+    except ConfigError as e:  # a combination of flags tfde refuses: one line, as a usage error
+        print(f"tfde: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          "global_batch": G, "out": "prefix",
          optional: "restore_dir" (restore its latest checkpoint before training),
          "save_dir" (save a checkpoint there after training; "{rank}" in either is the worker's index),
-         "restrict", "admission",
+         "restrict", "admission", "track_changes" (both layers), "policies": {"user_emb": "frequency" |
+         "timestamp", "item_emb": ...} (a restrict policy per layer, never applied: its state is checked),
          "model": "keras" (default: Keras's train_step) | "tfrs" (a tfrs.Model: its train_step calls
          tape.gradient and apply_gradients) | "custom_step" (a Keras train_step of our own doing the same),
          "hvd_wrap": false (the tfde optimizer without hvd.DistributedOptimizer),
@@ -144,16 +145,25 @@ def make_layers(model):
     emb = dict(initializer=tf.keras.initializers.RandomNormal(stddev=0.3, seed=1), table_creator=creator)
     if cfg.get("restrict"):
         emb["restrict_policy"] = tfde.FrequencyRestrictPolicy
+    if cfg.get("track_changes"):
+        emb["track_changes"] = True
+    policies = {"frequency": tfde.FrequencyRestrictPolicy, "timestamp": tfde.TimestampRestrictPolicy}
+    policy = {name: policies[kind] for name, kind in cfg.get("policies", {}).items()}
     admission = {
         "counter": lambda: tfde.CounterFilter(2),
         "probability": lambda: tfde.ProbabilityFilter(0.5, seed=3),
     }.get(cfg.get("admission"))
-    model.user_emb = tfde.keras.layers.Embedding(
-        8, key_dtype=tf.string, name="user_emb", admission_filter=admission and admission(), **emb
-    )
-    model.item_emb = tfde.keras.layers.Embedding(
-        8, key_dtype=tf.int64, name="item_emb", admission_filter=admission and admission(), **emb
-    )
+    for name in ("user_emb", "item_emb"):
+        if name in policy:
+            emb["restrict_policy"] = policy[name]
+        layer = tfde.keras.layers.Embedding(
+            8,
+            key_dtype=tf.string if name == "user_emb" else tf.int64,
+            name=name,
+            admission_filter=admission and admission(),
+            **emb,
+        )
+        setattr(model, name, layer)
     model.dense = tf.keras.layers.Dense(4, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2), name="dense")
 
 
@@ -263,9 +273,9 @@ def record_pending(sync):
         names[id(layer.params)] = layer.name
         for slot_name, slot in layer.params.slots.items():
             names[id(slot)] = f"{layer.name}/{slot_name}"
-    for var, keys, deltas, _ in sync.pending():
+    for var, keys, deltas, values in sync.pending():
         keys = keys.astype("S") if keys.dtype == object else keys
-        PUSHED.append((names[id(var)], keys, deltas, np.full(len(keys), len(KERNELS))))
+        PUSHED.append((names[id(var)], keys, deltas, values, np.full(len(keys), len(KERNELS))))
 
 
 class PushRecorder(tf.keras.callbacks.Callback):
@@ -279,8 +289,12 @@ class PushRecorder(tf.keras.callbacks.Callback):
         if self.sync_of() is not None and self.due(int(self.model.optimizer.iterations.numpy())):
             record_pending(self.sync_of())
 
-    def on_train_end(self, logs=None):
+    def on_epoch_end(self, epoch, logs=None):  # the PeriodicSync callback syncs at each epoch's end
         if self.sync_of() is not None:
+            record_pending(self.sync_of())
+
+    def on_train_end(self, logs=None):  # its last sync, if the epoch's end left anything
+        if self.sync_of() is not None and self.sync_of()._dirty():
             record_pending(self.sync_of())
 
 
@@ -446,13 +460,14 @@ def train_and_save():
         periodic.stop()
     if cfg.get("sync_every"):
         pushed = {}
-        for name, keys, deltas, sync_number in PUSHED:
-            pushed.setdefault(name, []).append((keys, deltas, sync_number))
+        for name, keys, deltas, values, sync_number in PUSHED:
+            pushed.setdefault(name, []).append((keys, deltas, values, sync_number))
         np.savez(
             f"{cfg['out']}-pushed-w{index}.npz",
-            **{f"{n}/keys": np.concatenate([k for k, _, _ in v]) for n, v in pushed.items()},
-            **{f"{n}/deltas": np.concatenate([d for _, d, _ in v]) for n, v in pushed.items()},
-            **{f"{n}/sync": np.concatenate([s for _, _, s in v]) for n, v in pushed.items()},
+            **{f"{n}/keys": np.concatenate([p[0] for p in v]) for n, v in pushed.items()},
+            **{f"{n}/deltas": np.concatenate([p[1] for p in v]) for n, v in pushed.items()},
+            **{f"{n}/values": np.concatenate([p[2] for p in v]) for n, v in pushed.items()},
+            **{f"{n}/sync": np.concatenate([p[3] for p in v]) for n, v in pushed.items()},
             kernels=np.stack(KERNELS) if KERNELS else np.zeros([0]),
         )
     eager_read = None

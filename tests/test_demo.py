@@ -154,6 +154,16 @@ def test_train_with_a_missing_data_file_says_so_before_any_work(tmp_path, capsys
         assert f"--data {tmp_path / 'ratings.csv'}: no such file" in err, err
 
 
+def test_flags_that_tfde_refuses_together_are_a_one_line_usage_error(capsys):
+    """--sync-every with --min-count (a counting admission filter has no
+    merge rule between syncs): exit status 2 and the reason, no traceback."""
+    code = cli.main(["train", "--sync-every", "4", "--min-count", "2", "--epochs", "1", "--interactions", "3000"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "tfde: error: semi-synchronous training (every=4) does not support" in err, err
+    assert "CounterFilter keeps per-key state" in err and "Traceback" not in err
+
+
 def test_make_data_command(tmp_path, capsys):
     assert cli.main(["make-data", str(tmp_path / "d"), "--ratings", "500", "--seed", "2"]) == 0
     assert "wrote 500 ratings" in capsys.readouterr().out

@@ -69,12 +69,12 @@ def test_every_1_is_exact_training_bit_for_bit(tmp_path, tag, engine, layout):
 
 
 def _pushed(prefix):
-    """[{table: (keys, deltas, sync numbers)}] of each worker's pushes over the whole run."""
+    """[{table: (keys, deltas, values, sync numbers)}] of each worker's pushes over the whole run."""
     out = []
     for f in sorted(glob.glob(prefix + "-pushed-w*.npz")):
         part = dict(np.load(f))
         names = [n[: -len("/keys")] for n in part if n.endswith("/keys")]
-        out.append({n: (part[n + "/keys"], part[n + "/deltas"], part[n + "/sync"]) for n in names})
+        out.append({n: (part[n + "/keys"], part[n + "/deltas"], part[n + "/values"], part[n + "/sync"]) for n in names})
     return out
 
 
@@ -88,34 +88,55 @@ def test_every_k_stores_initial_rows_plus_every_workers_deltas(tmp_path, tag, en
     check_every_k_pushes(tmp_path, tag, engine, layout)
 
 
+# How a sync merges each kind of state (docs/semi-sync.md): rows and
+# frequency counts by the sum of the workers' deltas, optimizer slots by the
+# mean of the deltas of the workers that changed the key, timestamps and
+# change labels by the largest of the workers' values.
+MERGES = {
+    "": "sum",
+    "m": "mean",
+    "v": "mean",
+    "policy-frequency": "sum",
+    "policy-timestamp": "max",
+    "changes-step": "max",
+}
+
+
 def check_every_k_pushes(tmp_path, tag, engine, layout, extra=None):
     """10 steps with a sync every 4 (after steps 4 and 8, and at the end):
-    every stored row is its initial value plus the sum of the deltas both
-    workers pushed for it, and every optimizer slot its initial value plus,
-    at each sync, the mean of the deltas of the workers that changed it
-    (docs/semi-sync.md), replayed here from what each worker recorded
-    before each of its syncs."""
-    tables, dense = run_job(tmp_path, 2, engine, "adam", layout, tag, {**(extra or {}), "sync_every": 4, "steps": 10})
+    every stored row and state is its initial value merged, at each sync,
+    with what the workers that changed it recorded before that sync
+    (MERGES), replayed here; the stored keys are exactly the pushed ones."""
+    extra = extra or {}
+    tables, dense = run_job(tmp_path, 2, engine, "adam", layout, tag, {**extra, "sync_every": 4, "steps": 10})
     assert dense, "no dense weights"  # load() checked that both workers hold the same ones
     prefix = str(tmp_path / "out2")
     init = dict(np.load(prefix + "-init.npz"))
     pushed = _pushed(prefix)
     assert len(pushed) == 2
+    assert set(pushed[0]) == set(pushed[1]) == set(tables), (sorted(pushed[0]), sorted(tables))
+    for kind in extra.get("policies", {}).values():
+        assert f"user_emb/policy-{kind}" in tables or f"item_emb/policy-{kind}" in tables
     shared_keys = 0
-    for name in ("user_emb", "item_emb", "user_emb/m", "user_emb/v", "item_emb/m", "item_emb/v"):
-        layer = name.split("/")[0]
-        slot = name != layer
+    for name in sorted(tables):
+        layer, _, slot = name.partition("/")
+        merge = MERGES[slot]
         start = {} if slot else {_key(k): r for k, r in zip(init[f"{layer}/keys"], init[f"{layer}/rows"])}
-        by_sync = {}  # (sync, key) -> [delta of each worker that pushed it]
+        by_sync = {}  # (sync, key) -> [(delta, value) of each worker that pushed it]
         for worker, p in enumerate(pushed):
-            keys, deltas, syncs = p[name]
+            keys, deltas, values, syncs = p[name]
             assert len(keys) > 0, f"worker {worker} pushed nothing for {name}"
-            for k, d, n in zip(keys.tolist(), deltas, syncs.tolist()):
-                by_sync.setdefault((n, _key(k)), []).append(d.astype(np.float64))
+            for k, d, v, n in zip(keys.tolist(), deltas, values, syncs.tolist()):
+                by_sync.setdefault((n, _key(k)), []).append((d.astype(np.float64), v.astype(np.float64)))
         expected = {}
-        for (_, k), ds in sorted(by_sync.items(), key=lambda item: item[0][0]):
-            step = np.mean(ds, axis=0) if slot else np.sum(ds, axis=0)
-            expected[k] = expected.get(k, start.get(k, np.zeros_like(ds[0]))) + step
+        for (_, k), pushes in sorted(by_sync.items(), key=lambda item: item[0][0]):
+            deltas = [d for d, _ in pushes]
+            if merge == "max":
+                latest = np.max([v for _, v in pushes], axis=0)
+                expected[k] = np.maximum(expected[k], latest) if k in expected else latest
+                continue
+            step = np.mean(deltas, axis=0) if merge == "mean" else np.sum(deltas, axis=0)
+            expected[k] = expected.get(k, start.get(k, np.zeros_like(deltas[0]))) + step
         stored = {_key(k): v for k, v in tables[name].items()}
         assert set(stored) == set(expected), f"{name}: stored keys are not the pushed ones"
         for k, row in stored.items():
@@ -127,6 +148,34 @@ def check_every_k_pushes(tmp_path, tag, engine, layout, extra=None):
     assert kernels[0].shape == kernels[1].shape and len(kernels[0]) == 3, [k.shape for k in kernels]
     for before in range(3):
         assert not np.allclose(kernels[0][before], kernels[1][before], atol=1e-5), f"equal before sync {before}"
+    return tables, pushed
+
+
+STATE = {
+    "policies": {"user_emb": "frequency", "item_emb": "timestamp"},
+    "track_changes": True,
+    "admission": "probability",
+}
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize("engine,layout", CASES if LEGACY else [("loop", "cuckoo")])
+def test_every_k_merges_policy_state_change_labels_and_admitted_keys(tmp_path, tag, engine, layout):
+    """A frequency policy, a timestamp policy, change tracking and a
+    probability admission filter under every=4: the stores hold each key's
+    counts summed over the workers, its latest timestamp and change label,
+    and only keys the filter admits (fewer than the data has)."""
+    tables, pushed = check_every_k_pushes(tmp_path, tag, engine, layout, STATE)
+    init = dict(np.load(str(tmp_path / "out2") + "-init.npz"))
+    for layer in ("user_emb", "item_emb"):
+        assert 0 < len(tables[layer]) < len(init[f"{layer}/keys"]), "the filter admitted every key, or none"
+    counts = {_key(k): c[0] for k, c in tables["user_emb/policy-frequency"].items()}
+    assert max(counts.values()) > 1
+    # A key both workers updated in one cycle counts the steps of each.
+    both = [
+        k for k in counts if all(k in {_key(x) for x in p["user_emb/policy-frequency"][0].tolist()} for p in pushed)
+    ]
+    assert both, "no count was pushed by both workers"
 
 
 @pytest.mark.keras

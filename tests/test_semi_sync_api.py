@@ -89,15 +89,95 @@ def test_a_bad_every_is_refused(every):
         tfde.semi_sync.PeriodicSync(every, [var], tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD()))
 
 
+def trained_with(every, callbacks=(), **emb):
+    model = Model(**emb)
+    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
+    x, y = data()
+    sync = [] if every is None else [tfde.keras.callbacks.PeriodicSync(every)]
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=list(callbacks) + sync)
+    return model
+
+
+def stored_state(model):
+    """Every key's row and state (optimizer slots, policy state, change
+    labels) and which keys are stored, over the keys the data can hold."""
+    keys = np.arange(40)
+    var = model.emb.params
+    _, stored = var.lookup(keys, return_exists=True)
+    state = {"stored": stored.numpy(), "rows": var.lookup(keys).numpy()}
+    for name, slot in sorted(var.slots.items()):
+        state[name] = slot.lookup(keys).numpy()
+    return state
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: {"restrict_policy": tfde.FrequencyRestrictPolicy},
+        lambda: {"restrict_policy": tfde.TimestampRestrictPolicy},
+        lambda: {"restrict_policy": tfde.TTLPolicy(ttl_steps=3)},
+        lambda: {"track_changes": True},
+        lambda: {"admission_filter": tfde.ProbabilityFilter(0.5, seed=3, default="zeros")},
+        lambda: {"admission_filter": tfde.ProbabilityFilter(0.5, seed=3)},
+    ],
+    ids=["frequency", "timestamp", "ttl", "changes", "admission-zeros", "admission-initializer"],
+)
+def test_alone_local_steps_keep_policy_state_change_labels_and_admission_as_exact_steps(make):
+    """Policy state, change labels and admission follow the local steps: a
+    process training alone ends with exactly the keys, rows and state that
+    exact training gives (a sync merges counts by sum, timestamps and labels
+    by max; keys the filter has not admitted are never written)."""
+    emb = make()
+    exact, local = trained_with(None, **emb), trained_with(4, **make())
+    a, b = stored_state(exact), stored_state(local)
+    assert sorted(a) == sorted(b)
+    assert 0 < a["stored"].sum() <= 40
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    if "track_changes" in emb:
+        for var in (exact.emb.params, local.emb.params):
+            var.remove(np.arange(0, 40, 5))
+        tombstones = [
+            dict(zip(*[t.numpy().ravel() for t in next(v.changes.evicted.export())]))
+            for v in (exact.emb.params, local.emb.params)
+        ]
+        assert tombstones[0] == tombstones[1] and tombstones[0]
+
+
+class RestrictMidCycle(tf.keras.callbacks.Callback):
+    """Restricts after steps 3, 7, 11, ...: between the syncs of every=4."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch % 4 == 2:
+            self.model.emb.params.restrict(12)
+
+
+@pytest.mark.keras
+def test_a_restriction_between_syncs_syncs_first_and_keeps_what_exact_training_keeps():
+    emb = {"restrict_policy": tfde.FrequencyRestrictPolicy}
+    exact = trained_with(None, [RestrictMidCycle()], **emb)
+    local = trained_with(4, [RestrictMidCycle()], **emb)
+    a, b = stored_state(exact), stored_state(local)
+    assert a["stored"].sum() < 40  # restriction removed keys
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+class NoMergeRule(tfde.FrequencyRestrictPolicy):
+    def sync_merges(self):
+        return None
+
+
 @pytest.mark.keras
 @pytest.mark.parametrize(
     "emb,what",
     [
-        ({"restrict_policy": tfde.FrequencyRestrictPolicy}, "a restrict policy"),
-        ({"admission_filter": tfde.CounterFilter(2)}, "an admission filter"),
+        ({"restrict_policy": NoMergeRule}, "has no rule to merge"),
+        ({"admission_filter": tfde.CounterFilter(2)}, "CounterFilter keeps per-key state"),
     ],
 )
-def test_state_that_is_not_a_sum_of_deltas_is_refused_before_training(emb, what):
+def test_state_without_a_merge_rule_is_refused_before_training(emb, what):
     model = Model(**emb)
     model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
     x, y = data()
@@ -150,6 +230,46 @@ def test_a_custom_loop_with_local_steps_and_a_checkpoint_that_syncs_first(tmp_pa
     fresh = tfde.Variable("semi_loop", dim=3, initializer=0.0)
     tfde.saving.CheckpointManager(str(tmp_path), variables=[fresh]).restore()
     np.testing.assert_allclose(fresh.lookup([1, 2]).numpy(), [[-1.5] * 3, [-3.0] * 3])
+
+
+class Lookups(tf.Module):
+    """A callable tf.Module serving one Variable's rows."""
+
+    def __init__(self, var):
+        super().__init__()
+        self.table = var
+
+    def __call__(self, ids, training=False):
+        return tfde.embedding_lookup(self.table, ids)
+
+
+@pytest.mark.parametrize("export", ["tf.train.Checkpoint", "export_for_serving", "export_changes"])
+def test_a_plain_checkpoint_or_export_between_syncs_of_a_process_alone_syncs_first(tmp_path, export):
+    """tf.train.Checkpoint.save, export_for_serving and export_changes read
+    the stores: a process training alone syncs before them, so they hold
+    every local step (in a job they are refused instead: a sync is a
+    collective, and an export may run on one worker only)."""
+    var = tfde.Variable(f"semi_export_{export.replace('.', '_')}", dim=3, initializer=0.0, track_changes=True)
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5))
+    sync = tfde.semi_sync.PeriodicSync(1000, [var], opt)
+    sync.start()
+    step = sgd_step(var, opt, offset=1.0)
+    try:
+        for _ in range(3):
+            step(tf.constant([1, 2, 2], tf.int64))
+            sync.after_step()
+        assert int(var.size()) == 0, "the store changed before a sync"
+        if export == "tf.train.Checkpoint":
+            tf.train.Checkpoint(table=var).save(str(tmp_path / "ckpt"))
+        elif export == "export_for_serving":
+            tfde.saving.export_for_serving(Lookups(var), str(tmp_path / "served"), tf.TensorSpec([None], tf.int64))
+        else:
+            summary = tfde.saving.export_changes([var], 0, str(tmp_path / "changes"))
+            assert summary["variables"][0]["changed"] == 2, summary
+        assert not sync._dirty()
+        np.testing.assert_allclose(var.lookup([1, 2]).numpy(), [[-1.5] * 3, [-3.0] * 3])
+    finally:
+        sync.stop()
 
 
 @pytest.mark.keras

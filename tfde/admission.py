@@ -33,6 +33,11 @@ _DEFAULTS = ("initializer", "zeros")
 
 
 class AdmissionFilter(abc.ABC):
+    # True when admit() reads and writes nothing but its arguments: such a
+    # filter decides alike on every worker without talking, which
+    # semi-synchronous training needs (tfde/semi_sync.py refuses the others).
+    stateless = False
+
     def __init__(self, default: str = "initializer"):
         if default not in _DEFAULTS:
             raise ConfigError(f"default must be one of {_DEFAULTS}, got {default!r}")
@@ -102,6 +107,8 @@ class CounterFilter(AdmissionFilter):
 
 
 class ProbabilityFilter(AdmissionFilter):
+    stateless = True
+
     def __init__(self, p: float, seed: int = 0, default: str = "initializer"):
         super().__init__(default)
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:

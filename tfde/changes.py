@@ -61,7 +61,18 @@ class ChangeLog:
         removal fails after the write (the step then reports the error), a
         key is stored and tombstoned until a later step writes it again."""
         label = tf.cast(step, tf.float64) + 1.0
-        return tf.group(self.evicted.remove(keys), self.clock.assign(tf.maximum(self.clock, label)))
+        advance = self.clock.assign(tf.maximum(self.clock, label))
+        if self.variable._local is not None:
+            # Between the syncs of semi-synchronous training the labels are
+            # written to this worker's local tables; the tombstones go when
+            # the sync writes the rows (after_sync).
+            return advance
+        return tf.group(self.evicted.remove(keys), advance)
+
+    def after_sync(self, keys) -> Optional[tf.Operation]:
+        """Deletes the tombstones of `keys`, whose rows a sync of
+        semi-synchronous training has just written (tfde/semi_sync.py)."""
+        return self.evicted.remove(keys)
 
     def on_remove(self, keys) -> Optional[tf.Operation]:
         """Tombstones the stored ones of `keys` (called before removing them)."""

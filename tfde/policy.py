@@ -95,6 +95,16 @@ class RestrictPolicy(abc.ABC):
         """Constructor arguments (layer configs carry them)."""
         return {}
 
+    def sync_merges(self) -> Optional[dict]:
+        """How a sync of semi-synchronous training (tfde/semi_sync.py)
+        merges the workers' changes of the policy's per-key state since the
+        last sync: {slot Variable: "sum" (the workers' deltas added, as
+        counts) or "max" (the largest of the workers' values, as
+        timestamps)}, or None when the state has no such rule (the
+        Variable is then refused in semi-synchronous training).  None by
+        default."""
+        return None
+
     def after_restore(self) -> None:
         """Called when the Variable's state was restored from a checkpoint."""
 
@@ -214,6 +224,11 @@ class FrequencyRestrictPolicy(_ScoredPolicy):
         # where an accum would be a write of its own.
         return {self.scores: self.scores._find(keys, for_update=True)[0] + 1.0}
 
+    def sync_merges(self) -> dict:
+        # Each worker counts the steps in which it updated a key: a sync
+        # adds the workers' counts.
+        return {self.scores: "sum"}
+
 
 class TimestampRestrictPolicy(_ScoredPolicy):
     """Keeps the most recently updated keys.
@@ -237,6 +252,9 @@ class TimestampRestrictPolicy(_ScoredPolicy):
 
     def step_values(self, keys: tf.Tensor, step: tf.Tensor) -> dict:
         return {self.scores: tf.fill([tf.size(keys), 1], self._now(step))}
+
+    def sync_merges(self) -> dict:
+        return {self.scores: "max"}  # the latest update of any worker
 
 
 class TTLPolicy(TimestampRestrictPolicy):

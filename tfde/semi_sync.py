@@ -38,8 +38,14 @@ every worker at once:
 A sync that fails detaches the local tables without pushing again (no
 delta is ever counted twice); that worker's unsynced deltas are lost.
 
-Variables with a restrict policy, an admission filter or change tracking
-are refused for now: their state is not a sum of per-worker deltas.
+Per-key state besides rows and optimizer slots merges by its own rule
+(_Entry): a frequency policy's counts are summed like the rows,
+timestamps and change labels keep the largest of the workers' values; a
+restriction syncs first (Variable.restrict).  Keys an admission filter
+has not admitted stay out of the local rows, so no sync stores them; only
+filters that keep no per-key state (AdmissionFilter.stateless) are
+accepted.  Checkpoint saves and exports that read the stores between syncs
+sync first in a process alone, and are refused in a job (before_export).
 """
 
 from __future__ import annotations
@@ -103,46 +109,82 @@ class LocalTables:
         self.base = creator.create(f"{var.name}/local_base", var.key_dtype, var.value_dtype, var.dim)
 
 
-class _Entry:
-    """A trained Variable and its optimizer slots' LocalTables."""
+_SUM, _MEAN, _MAX = "sum", "mean", "max"  # how a sync merges the workers' changes of one kind of state
 
-    def __init__(self, var, slots: list):
-        self.var, self.slots = var, slots
-        self.tables = [LocalTables(v) for v in [var] + slots]
-        self.widths = [v.dim for v in [var] + slots]
+
+class _Entry:
+    """A trained Variable and its per-key state's LocalTables: its optimizer
+    slots and, when it has them, its restrict policy's state and its change
+    labels.  `merges` says how a sync merges each one's changes (module
+    docstring): the rows and a frequency policy's counts take the sum of the
+    workers' deltas ("sum"), optimizer slots the mean of the deltas of the
+    workers that changed the key ("mean"), timestamps and change labels the
+    latest of the workers' values ("max")."""
+
+    def __init__(self, var, slots: list, state: list):
+        parts = [(var, _SUM)] + [(s, _MEAN) for s in slots] + list(state)
+        self.var = var
+        self.variables = [v for v, _ in parts]
+        self.slots = self.variables[1:]  # every Variable of the key's state but the rows
+        self.merges = [m for _, m in parts]
+        self.tables = [LocalTables(v) for v in self.variables]
+        self.widths = [v.dim for v in self.variables]
+        # With an admission filter, a key the store does not hold stays out
+        # of the local rows until the filter admits it (the optimizer asks
+        # it as in an exact step); its base is its initial row.
+        self.admits = var.admission_filter is not None
 
     def attach(self, on: bool) -> None:
         for t in self.tables:
             t.var._local = t if on else None
 
     def read_store(self, keys):
-        """[k, sum of widths]: the stored rows and slots of `keys` (missing
-        keys read their initial values), side by side."""
-        found = [v._find(keys, in_step=True)[0] for v in [self.var] + self.slots]
-        return tf.concat([tf.cast(f, self.var.value_dtype) for f in found], 1)
+        """[k, sum of widths (+ 1)]: the stored rows and state of `keys`
+        side by side; missing keys read their initial values.  With an
+        admission filter, a last column tells which keys are stored (1)."""
+        found = [v._find(keys, in_step=True, initial=True) for v in self.variables]
+        columns = [tf.cast(rows, self.compute_dtype()) for rows, _ in found]
+        if self.admits:
+            columns.append(tf.cast(found[0][1], self.compute_dtype())[:, None])
+        return tf.concat(columns, 1)
 
     def missing(self, keys):
-        """The keys of `keys` [u] not in the local tables yet."""
-        _, hit = self.tables[0].rows.find(keys, _ZERO)
+        """The keys of `keys` [u] not fetched since the last sync."""
+        _, hit = self.tables[0].base.find(keys, _ZERO)
         return tf.boolean_mask(keys, tf.logical_not(hit))
 
     def fill(self, keys, packed) -> list:
-        """Stores the fetched rows and slots `packed` of `keys` as their local
-        values and their base."""
+        """Stores the fetched rows and state `packed` (read_store) of `keys`
+        as their base and, but for the keys an admission filter has not
+        admitted yet, as their local values."""
+        if self.admits:
+            stored = packed[:, -1] > 0
+            packed = packed[:, :-1]
         ops = []
         for t, part in zip(self.tables, tf.split(packed, self.widths, axis=1)):
             part = tf.cast(part, t.var.value_dtype)
-            ops += [t.rows.insert(keys, part), t.base.insert(keys, part)]
+            ops.append(t.base.insert(keys, part))
+            if self.admits:
+                ops.append(t.rows.insert(tf.boolean_mask(keys, stored), tf.boolean_mask(part, stored)))
+            else:
+                ops.append(t.rows.insert(keys, part))
         return ops
 
+    def read_local(self, keys):
+        """The rows a lookup of `keys` reads between syncs: the local rows;
+        a key an admission filter has not admitted reads the Variable's
+        default for such keys (tfde.admission)."""
+        default = self.var._missing(keys) if self.admits else _ZERO
+        return self.tables[0].rows.find(keys, default)[0]
+
     def compute_dtype(self):
-        return tf.float64 if self.var.value_dtype == tf.float64 else tf.float32
+        return tf.float64 if any(v.value_dtype == tf.float64 for v in self.variables) else tf.float32
 
     def deltas(self):
         """(keys [c], deltas [c, sum of widths], local values [c, sum of
-        widths]) of the keys whose row or a slot changed since it was
-        fetched; deltas are local value minus base, in float32 (float64 for
-        float64 tables)."""
+        widths]) of the keys whose row or state changed since it was
+        fetched; deltas are local value minus base, in float32 (float64
+        where any of the state is float64: policy state is)."""
         compute = self.compute_dtype()
         keys, rows, _ = self.tables[0].rows.export_chunk(0, _ALL_ROWS)
         local, deltas = [], []
@@ -154,37 +196,75 @@ class _Entry:
         changed = tf.reduce_any(tf.not_equal(packed, 0), axis=1)
         return tuple(tf.boolean_mask(t, changed) for t in (keys, packed, local))
 
+    def payload(self, packed, local, rank, size):
+        """What this worker sends the owners at a sync in a job: per kind of
+        state its delta ("sum", "mean") or, for "max", its local values in
+        the block of `size` blocks that is this worker's (zeros in the
+        others: the exchange sums, and the owner takes the largest), then a
+        column of ones (the owner counts the workers that changed a key)."""
+        columns = []
+        pieces = zip(tf.split(packed, self.widths, axis=1), tf.split(local, self.widths, axis=1), self.merges)
+        for delta, value, merge in pieces:
+            if merge == _MAX:
+                mine = tf.one_hot(rank, size, dtype=value.dtype)
+                columns.append(tf.reshape(value[:, None, :] * mine[None, :, None], [-1, size * value.shape[1]]))
+            else:
+                columns.append(delta)
+        return tf.concat(columns + [tf.ones_like(packed[:, :1])], 1)
+
     def push_alone(self, keys, packed, local) -> list:
-        """A process training alone: the rows' deltas added to the store
-        atomically per key (Table.accum; several processes may push the
-        same keys at once), the slots written as they are."""
-        parts = tf.split(packed, self.widths, axis=1)
-        ops = [self.var.accum(keys, tf.cast(parts[0], self.var.value_dtype))]
-        for slot, values in zip(self.slots, tf.split(local, self.widths, axis=1)[1:]):
-            ops += slot._write_step(keys, tf.cast(values, slot.value_dtype), {}, store=True)
+        """A process training alone: the deltas of "sum" state (rows,
+        counts) added to the store atomically per key (Table.accum; several
+        processes may push the same keys at once), optimizer slots written
+        as they are, "max" state written as the larger of the stored and
+        the local value."""
+        ops = []
+        deltas, values = tf.split(packed, self.widths, axis=1), tf.split(local, self.widths, axis=1)
+        for v, merge, delta, value in zip(self.variables, self.merges, deltas, values):
+            if merge == _SUM:
+                ops.append(v.accum(keys, tf.cast(delta, v.value_dtype)))
+                continue
+            value = tf.cast(value, v.value_dtype)
+            if merge == _MAX:
+                value = tf.maximum(value, v._find(keys, in_step=True, initial=True)[0])
+            ops += v._write_step(keys, value, {}, store=True)
+        if self.var.changes is not None:
+            ops.append(self.var.changes.after_sync(keys))
         return [op for op in ops if op is not None]
 
-    def add_owned(self, keys, summed) -> list:
-        """The keys this worker owns: `summed` [k, sum of widths + 1] holds
-        their rows' and slots' deltas summed over the workers and, last, how
-        many workers changed each key.  The rows take the sum, the slots
-        the mean (module docstring); in-process tables add them in place, a
-        shared store is read, added to and written back with the key's row
-        and slots in one write (Variable._write_step), as the owner writes a
-        training step: the only writer of these keys in the job, so the
-        store need not add (its atomic accumulation costs far more per row)."""
+    def add_owned(self, keys, summed, size) -> list:
+        """The keys this worker owns: `summed` (payload, summed over the
+        workers) holds their merged changes and, last, how many workers
+        changed each key.  The owner is the only writer of its keys in the
+        job, as in a training step: in-process tables add the deltas in
+        place where that is all there is to do; otherwise the owner reads
+        the key's row and state, merges and writes them back in one write
+        (Variable._write_step), missing keys starting from their initial
+        values, as a training step does."""
         count = summed[:, -1:]
-        parts = tf.split(summed[:, :-1], self.widths, axis=1)
-        parts = parts[:1] + [tf.math.divide_no_nan(d, count) for d in parts[1:]]
-        variables = [self.var] + self.slots
-        if not self.var.shared_between_workers:
-            ops = [v.accum(keys, tf.cast(d, v.value_dtype)) for v, d in zip(variables, parts)]
-            return [op for op in ops if op is not None]
-        new = [
-            tf.cast(tf.cast(v._find(keys, in_step=True)[0], d.dtype) + d, v.value_dtype)
-            for v, d in zip(variables, parts)
-        ]
-        return self.var._write_step(keys, new[0], dict(zip(self.slots, new[1:])), store=True)
+        widths = [w * size if m == _MAX else w for w, m in zip(self.widths, self.merges)]
+        parts = tf.split(summed[:, :-1], widths, axis=1)
+        ops = []
+        in_place = not self.var.shared_between_workers and not self.admits and _MAX not in self.merges
+        new = []
+        for v, merge, part in zip(self.variables, self.merges, parts):
+            if merge == _MEAN:
+                part = tf.math.divide_no_nan(part, count)
+            if in_place:
+                ops.append(v.accum(keys, tf.cast(part, v.value_dtype)))
+                continue
+            stored = tf.cast(v._find(keys, in_step=True, initial=True)[0], part.dtype)
+            if merge == _MAX:
+                latest = tf.reduce_max(tf.reshape(part, [-1, size, v.dim]), axis=1)
+                new.append(tf.cast(tf.maximum(stored, latest), v.value_dtype))
+            else:
+                new.append(tf.cast(stored + part, v.value_dtype))
+        if not in_place:
+            ops += self.var._write_step(keys, new[0], dict(zip(self.slots, new[1:])), store=True)
+        if self.var.changes is not None:
+            with tf.control_dependencies(ops):
+                ops.append(self.var.changes.after_sync(keys))
+        return [op for op in ops if op is not None]
 
     def clear(self) -> list:
         return [op for t in self.tables for op in (t.rows.clear(), t.base.clear())]
@@ -232,7 +312,7 @@ class LocalSteps(_exchange.Exchange):
         out = []
         for e, p, miss, rows in zip(entries, lookups, misses, fetched):
             with tf.control_dependencies(e.fill(miss, rows)):
-                out.append((p.keys, e.tables[0].rows.find(p.keys, _ZERO)[0], None))
+                out.append((p.keys, e.read_local(p.keys), None))
         return out
 
     def gradient_scale(self, optimizer) -> float:
@@ -422,22 +502,35 @@ class PeriodicSync:
 
     # ---------------------------------------------------------------- internals
 
+    def _dirty(self) -> bool:
+        """Whether a local table holds anything (eager)."""
+        return any(int(e.tables[0].base.size()) > 0 for e in self._entries or [])
+
     def _make_entry(self, var) -> _Entry:
-        for what, hook in (
-            ("a restrict policy", var.restrict_policy),
-            ("an admission filter", var.admission_filter),
-            ("change tracking", var.changes),
-        ):
-            if hook is not None:
+        refused = f"semi-synchronous training (every={self.every}) does not support Variable {var.name!r}"
+        state = []
+        if var.restrict_policy is not None:
+            merges = var.restrict_policy.sync_merges()
+            if merges is None:
                 raise ConfigError(
-                    f"semi-synchronous training (every={self.every}) does not support Variable {var.name!r}: it has "
-                    f"{what}, whose state is not a sum of per-worker deltas; train it with every=1 (exact), or "
-                    "without it (docs/semi-sync.md)"
+                    f"{refused}: its restrict policy {type(var.restrict_policy).__name__} has no rule to merge the "
+                    "workers' changes of its state (RestrictPolicy.sync_merges); train it with every=1 (exact), or "
+                    "use a policy of tfde's (docs/semi-sync.md)"
                 )
+            state += list(merges.items())
+        if var.changes is not None:
+            state.append((var.changes.written, _MAX))
+        admission = var.admission_filter
+        if admission is not None and not admission.stateless:
+            raise ConfigError(
+                f"{refused}: its admission filter {type(admission).__name__} keeps per-key state (counts) that "
+                "the workers would each decide on apart; train it with every=1 (exact), or admit with "
+                "tfde.ProbabilityFilter, which keeps none (docs/semi-sync.md)"
+            )
         if not var.trainable:
             raise ConfigError(f"Variable {var.name!r} is not trainable: leave it out of PeriodicSync's variables")
         slots = [var.slot(name, init) for name, init in rule_for(self.optimizer).slots(self.optimizer)]
-        return _Entry(var, slots)
+        return _Entry(var, slots, state)
 
     def _entry(self, var) -> _Entry:
         if var is None:
@@ -473,13 +566,13 @@ class PeriodicSync:
                 _exchange.Gradient(
                     buffer_keys,
                     tf.range(tf.size(keys)) if mine is None else mine,
-                    tf.concat([packed, tf.ones_like(packed[:, :1])], 1),
+                    e.payload(packed, local, ex.rank, ex.size),
                     e.var.placement,
                 )
-                for (e, keys, packed, _), (buffer_keys, _, mine) in zip(pending, buffers)
+                for (e, keys, packed, local), (buffer_keys, _, mine) in zip(pending, buffers)
             ]
             for (e, _, _, _), (owned, summed) in zip(pending, ex.owner_gradients_many(parts)):
-                writes += e.add_owned(owned, summed)
+                writes += e.add_owned(owned, summed, ex.size)
         with tf.control_dependencies(writes):
             cleared = [op for e in self._entries for op in e.clear()]
         # After the pushes: a worker whose partner is lost still makes its
@@ -509,6 +602,25 @@ def sync_now() -> None:
     if _running is not None:
         _running.steps = max(_running.steps, 1)
         _running.sync()
+
+
+def before_export(what: str) -> None:
+    """Called before `what` (a checkpoint save, a serving export) reads the
+    stores: the running semi-synchronous training, if any, must have synced
+    what its local steps changed.  A process training alone syncs here; in
+    a job a sync is collective, and an export may run on one worker only
+    (rank 0 only, with some engines), so it is refused with the way out instead."""
+    if _running is None or not _running._dirty():
+        return
+    if not _exchange.engine_active().collective and _running.strategy is None:
+        sync_now()
+        return
+    raise ConfigError(
+        f"{what} during semi-synchronous training, with local steps not synced yet: it would miss every worker's "
+        "changes since the last sync.  Save with tfde.CheckpointManager (it syncs first, on every worker), call "
+        "PeriodicSync.sync() on every worker first, or put the PeriodicSync callback before the one that saves "
+        "(it syncs at each epoch's end)"
+    )
 
 
 def discard_local() -> None:

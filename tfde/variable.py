@@ -321,14 +321,18 @@ class Variable(tf.Module):
         pos = tf.dynamic_partition(tf.range(tf.size(flat_keys)), shard, shards)
         return keys, pos
 
-    def _find(self, flat_keys, for_update: bool = False, in_step: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+    def _find(
+        self, flat_keys, for_update: bool = False, in_step: bool = False, initial: bool = False
+    ) -> Tuple[tf.Tensor, tf.Tensor]:
         """(rows, exists).  for_update: the rows a write will be computed
         from (a training step's read-modify-write), where missing rows read
         the initializer even when an admission filter makes lookups read
         zeros.  Both for_update and in_step (a training step's forward
         lookups, which the gradient is computed from) read with
-        Table.find_to_update: never a lagging replica."""
-        missing = self._missing(flat_keys, for_update)
+        Table.find_to_update: never a lagging replica.  initial: missing
+        rows read the initializer, as for_update, from the store (a sync of
+        semi-synchronous training computes its writes from them)."""
+        missing = self._missing(flat_keys, for_update or initial)
         tables = self._train_tables() if for_update and self._local is not None else self._read_tables()
         primary = for_update or in_step
         step = training_step() if primary else None
@@ -443,7 +447,9 @@ class Variable(tf.Module):
         rows = self._counted(flat, self._rows_arg(deltas, "deltas"))
 
         def one(table, k, d):
-            missing = self._missing(k)
+            # The initial row, also where an admission filter makes lookups
+            # of keys not stored read zeros.
+            missing = self._missing(k, for_update=True)
             return table.accum(k, d, missing)
 
         with tf.control_dependencies(self._drop_local(flat)):
@@ -641,6 +647,14 @@ class Variable(tf.Module):
                 f"Variable {self.name!r} has no restrict_policy; create it with one, e.g. "
                 "restrict_policy=tfde.FrequencyRestrictPolicy"
             )
+        if self._local is not None:
+            # Semi-synchronous training: the workers' changes since the last
+            # sync reach the stores first (a collective call, as restrict is),
+            # so the policy decides on every worker's state and no later push
+            # brings back a key it removes (docs/semi-sync.md).
+            from tfde import semi_sync
+
+            semi_sync.sync_now()
         return self.restrict_policy.restrict(num_reserved, trigger)
 
     @property

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distributed_check import redis_tag, run_job  # noqa: E402
-from test_semi_sync import check_every_1_is_exact, check_every_k_pushes  # noqa: E402
+from test_semi_sync import STATE, check_every_1_is_exact, check_every_k_pushes  # noqa: E402
 
 assert os.environ.get("TF_USE_LEGACY_KERAS") == "1", "Horovod's Keras support needs tf-keras: TF_USE_LEGACY_KERAS=1"
 
@@ -33,6 +33,12 @@ def test_every_1_is_exact_training_under_horovod(tmp_path, tag, model, layout):
 @pytest.mark.parametrize("model,layout", CASES)
 def test_every_k_stores_initial_rows_plus_every_workers_deltas_under_horovod(tmp_path, tag, model, layout):
     check_every_k_pushes(tmp_path, tag, "hvd", layout, {"model": model})
+
+
+def test_every_k_merges_policy_state_change_labels_and_admitted_keys_under_horovod(tmp_path, tag):
+    """As tests/test_semi_sync.py's, with the owners on the all-to-all exchange."""
+    tables, _ = check_every_k_pushes(tmp_path, tag, "hvd", "cuckoo", {"model": "keras", **STATE})
+    assert tables["user_emb/policy-frequency"] and tables["item_emb/policy-timestamp"]
 
 
 def test_steps_where_no_worker_fetches_a_new_key_under_horovod(tmp_path, tag):

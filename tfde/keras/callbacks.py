@@ -127,7 +127,8 @@ class PeriodicSync(tf.keras.callbacks.Callback):
 
     Every trainable tfde Variable of the model takes local steps, and all
     of the model's dense weights are averaged at each sync.  Validation
-    during fit (validation_data) syncs first.  The step
+    during fit (validation_data) syncs first, and each epoch's end syncs
+    (a callback after this one that saves sees synced stores).  The step
     function is traced again when training begins and ends, so a later fit
     without the callback is exact again.  With steps_per_execution > 1 a
     sync comes after the first batch end at least `every` steps after the
@@ -185,6 +186,13 @@ class PeriodicSync(tf.keras.callbacks.Callback):
         if self.sync.steps >= self.every:
             self.sync.sync()
             self._last = step
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        # A callback after this one may save a checkpoint or export at the
+        # end of an epoch (ModelCheckpoint): it reads synced stores.
+        if self.sync is not None:
+            self._last = self._count()
+            self.sync.sync()
 
     def on_test_begin(self, logs: Optional[dict] = None) -> None:
         # Validation during fit reads the stores: sync first (every worker

@@ -23,6 +23,7 @@ import tensorflow as tf
 from tensorflow.python.saved_model.registration import registration
 from tensorflow.python.trackable import python_state
 
+from tfde import semi_sync
 from tfde.errors import CheckpointError
 from tfde.optimizer_rules import rule_for
 from tfde.saving import format as fmt
@@ -60,6 +61,7 @@ def _eager_path(tensor, what: str) -> str:
 
 def _save(trackables, file_prefix):
     prefix = _eager_path(file_prefix, "saved")
+    semi_sync.before_export("a checkpoint save")
     # file_prefix is "<checkpoint prefix>-tfde.Variable"; the chunk bundles go
     # to TensorFlow's temporary directory of this checkpoint, which the merge
     # empties and removes (and which a crash leaves behind harmlessly).

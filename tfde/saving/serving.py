@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
+from tfde import semi_sync
 from tfde.errors import CheckpointError, ConfigError
 from tfde.saving import format as fmt
 from tfde.saving.manager import write_atomic
@@ -56,7 +57,9 @@ def _input_signature(model, input_signature):
 
 
 def _dense_weights(model) -> list:
-    return [w for w in model.weights if not is_step_buffer(w)]
+    # A Keras model's weights; a tf.Module's variables.
+    weights = model.weights if hasattr(model, "weights") else model.variables
+    return [w for w in weights if not is_step_buffer(w)]
 
 
 def _lookup(var):
@@ -114,6 +117,7 @@ def export_for_serving(
     variables = model_variables(model)
     if not variables:
         raise ConfigError(f"{type(model).__name__} uses no tfde Variable; export it with tf.saved_model.save")
+    semi_sync.before_export("a serving export")
     signature = _input_signature(model, input_signature)
     module = tf.Module()
     sources, embedded, info = [], [], []
@@ -201,6 +205,7 @@ def export_changes(model_or_variables: Any, since: int, path: str) -> Dict:
             f"Variables {untracked} do not track changes; create them (or their layers) with "
             "track_changes=True to export increments"
         )
+    semi_sync.before_export("an export of changes")
     next_prefix = prefix_counter(f"{path}_temp/part")
     prefixes, summary, until = [], [], int(since)
     for i, var in enumerate(variables):
