@@ -159,7 +159,8 @@ STATE = {
 
 
 @pytest.mark.keras
-@pytest.mark.parametrize("engine,layout", CASES if LEGACY else [("loop", "cuckoo")])
+# Both layouts' merges (a shared store's and in-process owners'), once each.
+@pytest.mark.parametrize("engine,layout", [("fit", "redis"), ("loop", "cuckoo")] if LEGACY else [("loop", "cuckoo")])
 def test_every_k_merges_policy_state_change_labels_and_admitted_keys(tmp_path, tag, engine, layout):
     """A frequency policy, a timestamp policy, change tracking and a
     probability admission filter under every=4: the stores hold each key's
