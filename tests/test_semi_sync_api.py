@@ -205,20 +205,32 @@ def test_one_periodic_sync_at_a_time_and_every_variable_must_be_given():
     assert not tfde.semi_sync.local_steps_on() and a._local is None
 
 
-def test_a_custom_loop_with_local_steps_and_a_checkpoint_that_syncs_first(tmp_path):
-    """A custom loop (tf.function step traced after start()): a checkpoint
-    saved between syncs holds every step's updates, because the save syncs
-    first; without that it would hold the initial rows."""
-    var = tfde.Variable("semi_loop", dim=3, initializer=0.0)
+def three_local_steps(name, **var_args):
+    """(Variable, optimizer, started PeriodicSync) after 3 local steps of a
+    custom loop (tf.function step traced after start(); every=1000, so no
+    sync yet: the store is still empty).  The caller stops the sync."""
+    var = tfde.Variable(name, dim=3, initializer=0.0, **var_args)
     opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5))
     sync = tfde.semi_sync.PeriodicSync(1000, [var], opt)
     sync.start()
-    step = sgd_step(var, opt, offset=1.0)
     try:
+        step = sgd_step(var, opt, offset=1.0)
         for _ in range(3):
             step(tf.constant([1, 2, 2], tf.int64))
             sync.after_step()
         assert int(var.size()) == 0, "the store changed before a sync"
+    except BaseException:
+        sync.abort()
+        raise
+    return var, opt, sync
+
+
+def test_a_custom_loop_with_local_steps_and_a_checkpoint_that_syncs_first(tmp_path):
+    """A custom loop (tf.function step traced after start()): a checkpoint
+    saved between syncs holds every step's updates, because the save syncs
+    first; without that it would hold the initial rows."""
+    var, opt, sync = three_local_steps("semi_loop")
+    try:
         pending = {v.name: dict(zip(k.tolist(), d.tolist())) for v, k, d, _ in sync.pending()}
         assert pending == {"semi_loop": {1: [-1.5] * 3, 2: [-3.0] * 3}}
         manager = tfde.saving.CheckpointManager(str(tmp_path), variables=[var], optimizer=opt)
@@ -249,16 +261,8 @@ def test_a_plain_checkpoint_or_export_between_syncs_of_a_process_alone_syncs_fir
     the stores: a process training alone syncs before them, so they hold
     every local step (in a job they are refused instead: a sync is a
     collective, and an export may run on one worker only)."""
-    var = tfde.Variable(f"semi_export_{export.replace('.', '_')}", dim=3, initializer=0.0, track_changes=True)
-    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.5))
-    sync = tfde.semi_sync.PeriodicSync(1000, [var], opt)
-    sync.start()
-    step = sgd_step(var, opt, offset=1.0)
+    var, _, sync = three_local_steps(f"semi_export_{export.replace('.', '_')}", track_changes=True)
     try:
-        for _ in range(3):
-            step(tf.constant([1, 2, 2], tf.int64))
-            sync.after_step()
-        assert int(var.size()) == 0, "the store changed before a sync"
         if export == "tf.train.Checkpoint":
             tf.train.Checkpoint(table=var).save(str(tmp_path / "ckpt"))
         elif export == "export_for_serving":
