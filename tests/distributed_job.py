@@ -7,8 +7,9 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          "global_batch": G, "out": "prefix",
          optional: "restore_dir" (restore its latest checkpoint before training),
          "save_dir" (save a checkpoint there after training; "{rank}" in either is the worker's index),
-         "restrict", "admission", "track_changes" (both layers), "policies": {"user_emb": "frequency" |
-         "timestamp", "item_emb": ...} (a restrict policy per layer, never applied: its state is checked),
+         "restrict", "admission" ("counter" | "probability", or {layer name: kind}), "track_changes" (both
+         layers), "policies": {"user_emb": "frequency" | "timestamp", "item_emb": ...} (a restrict policy per
+         layer, never applied: its state is checked),
          "model": "keras" (default: Keras's train_step) | "tfrs" (a tfrs.Model: its train_step calls
          tape.gradient and apply_gradients) | "custom_step" (a Keras train_step of our own doing the same),
          "hvd_wrap": false (the tfde optimizer without hvd.DistributedOptimizer),
@@ -138,6 +139,11 @@ def make_many(model):
     model.dense = tf.keras.layers.Dense(4, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2), name="dense")
 
 
+def make_filter(filters, admission, name):
+    kind = admission.get(name) if isinstance(admission, dict) else admission
+    return filters[kind]() if kind else None
+
+
 def make_layers(model):
     """The job's layers, as attributes of `model` (a Keras or tfrs Model)."""
     if MANY:
@@ -149,10 +155,11 @@ def make_layers(model):
         emb["track_changes"] = True
     policies = {"frequency": tfde.FrequencyRestrictPolicy, "timestamp": tfde.TimestampRestrictPolicy}
     policy = {name: policies[kind] for name, kind in cfg.get("policies", {}).items()}
-    admission = {
+    filters = {
         "counter": lambda: tfde.CounterFilter(2),
         "probability": lambda: tfde.ProbabilityFilter(0.5, seed=3),
-    }.get(cfg.get("admission"))
+    }
+    admission = cfg.get("admission")  # one kind for both layers, or {layer name: kind}
     for name in ("user_emb", "item_emb"):
         if name in policy:
             emb["restrict_policy"] = policy[name]
@@ -160,7 +167,7 @@ def make_layers(model):
             8,
             key_dtype=tf.string if name == "user_emb" else tf.int64,
             name=name,
-            admission_filter=admission and admission(),
+            admission_filter=make_filter(filters, admission, name),
             **emb,
         )
         setattr(model, name, layer)
@@ -273,6 +280,9 @@ def record_pending(sync):
         names[id(layer.params)] = layer.name
         for slot_name, slot in layer.params.slots.items():
             names[id(slot)] = f"{layer.name}/{slot_name}"
+        counts = getattr(layer.params.admission_filter, "counts", None)
+        if counts is not None:
+            names[id(counts)] = f"{layer.name}/admission"
     for var, keys, deltas, values in sync.pending():
         keys = keys.astype("S") if keys.dtype == object else keys
         PUSHED.append((names[id(var)], keys, deltas, values, np.full(len(keys), len(KERNELS))))
@@ -508,6 +518,9 @@ def train_and_save():
             out[f"{layer.name}/keys"], out[f"{layer.name}/rows"] = dump(var)
             for name, slot in var.slots.items():
                 out[f"{layer.name}/{name}/keys"], out[f"{layer.name}/{name}/rows"] = dump(slot)
+            counts = getattr(var.admission_filter, "counts", None)
+            if counts is not None and cfg.get("sync_every"):  # a CounterFilter's counts (the semi-sync checks)
+                out[f"{layer.name}/admission/keys"], out[f"{layer.name}/admission/rows"] = dump(counts)
     out["dense/kernel"], out["dense/bias"] = (np.asarray(w) for w in model.dense.get_weights())
     if eager_read is not None:  # compared between workers like the dense weights (distributed_check.load)
         out["dense/eager_ids"], out["dense/eager_rows"] = eager_ids, eager_read

@@ -154,14 +154,16 @@ def test_train_with_a_missing_data_file_says_so_before_any_work(tmp_path, capsys
         assert f"--data {tmp_path / 'ratings.csv'}: no such file" in err, err
 
 
-def test_flags_that_tfde_refuses_together_are_a_one_line_usage_error(capsys):
-    """--sync-every with --min-count (a counting admission filter has no
-    merge rule between syncs): exit status 2 and the reason, no traceback."""
-    code = cli.main(["train", "--sync-every", "4", "--min-count", "2", "--epochs", "1", "--interactions", "3000"])
+def test_a_configuration_tfde_refuses_is_a_one_line_usage_error(tmp_path, capsys):
+    """A Redis config file with a bad field: exit status 2 and the reason
+    (a tfde ConfigError), no traceback."""
+    config = tmp_path / "redis.json"
+    config.write_text('{"redis_host_ip": ["127.0.0.1"], "redis_host_port": ["abc"]}')
+    code = cli.main(["train", "--backend", "redis", "--redis-config", str(config), "--interactions", "3000"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "tfde: error: semi-synchronous training (every=4) does not support" in err, err
-    assert "CounterFilter keeps per-key state" in err and "Traceback" not in err
+    assert "tfde: error: redis_host_port must be a list of ints, got ('abc',)" in err, err
+    assert "Traceback" not in err
 
 
 def test_make_data_command(tmp_path, capsys):

@@ -99,6 +99,7 @@ MERGES = {
     "policy-frequency": "sum",
     "policy-timestamp": "max",
     "changes-step": "max",
+    "admission": "sum",  # a CounterFilter's counts; a key's count goes once the key is stored
 }
 
 
@@ -137,6 +138,8 @@ def check_every_k_pushes(tmp_path, tag, engine, layout, extra=None):
                 continue
             step = np.mean(deltas, axis=0) if merge == "mean" else np.sum(deltas, axis=0)
             expected[k] = expected.get(k, start.get(k, np.zeros_like(deltas[0]))) + step
+        if slot == "admission":  # the counts of keys admitted (stored) are dropped
+            expected = {k: v for k, v in expected.items() if k not in {_key(x) for x in tables[layer]}}
         stored = {_key(k): v for k, v in tables[name].items()}
         assert set(stored) == set(expected), f"{name}: stored keys are not the pushed ones"
         for k, row in stored.items():
@@ -154,7 +157,7 @@ def check_every_k_pushes(tmp_path, tag, engine, layout, extra=None):
 STATE = {
     "policies": {"user_emb": "frequency", "item_emb": "timestamp"},
     "track_changes": True,
-    "admission": "probability",
+    "admission": {"user_emb": "counter", "item_emb": "probability"},
 }
 
 
@@ -162,10 +165,11 @@ STATE = {
 # Both layouts' merges (a shared store's and in-process owners'), once each.
 @pytest.mark.parametrize("engine,layout", [("fit", "redis"), ("loop", "cuckoo")] if LEGACY else [("loop", "cuckoo")])
 def test_every_k_merges_policy_state_change_labels_and_admitted_keys(tmp_path, tag, engine, layout):
-    """A frequency policy, a timestamp policy, change tracking and a
-    probability admission filter under every=4: the stores hold each key's
-    counts summed over the workers, its latest timestamp and change label,
-    and only keys the filter admits (fewer than the data has)."""
+    """A frequency policy, a timestamp policy, change tracking, a counting
+    and a probability admission filter under every=4: the stores hold each
+    key's counts summed over the workers, its latest timestamp and change
+    label, and only keys the filters admit (fewer than the data has); the
+    counter holds the summed counts of the keys it has not admitted."""
     tables, pushed = check_every_k_pushes(tmp_path, tag, engine, layout, STATE)
     init = dict(np.load(str(tmp_path / "out2") + "-init.npz"))
     for layer in ("user_emb", "item_emb"):
@@ -177,6 +181,8 @@ def test_every_k_merges_policy_state_change_labels_and_admitted_keys(tmp_path, t
         k for k in counts if all(k in {_key(x) for x in p["user_emb/policy-frequency"][0].tolist()} for p in pushed)
     ]
     assert both, "no count was pushed by both workers"
+    waiting = tables["user_emb/admission"]
+    assert waiting and not set(waiting) & set(tables["user_emb"]), "no key waits, or an admitted key kept its count"
 
 
 @pytest.mark.keras

@@ -107,6 +107,9 @@ def stored_state(model):
     state = {"stored": stored.numpy(), "rows": var.lookup(keys).numpy()}
     for name, slot in sorted(var.slots.items()):
         state[name] = slot.lookup(keys).numpy()
+    counts = getattr(var.admission_filter, "counts", None)
+    if counts is not None:  # a CounterFilter's counts of the keys not admitted yet
+        state["admission"] = counts.lookup(keys, return_exists=True)[1].numpy() * counts.lookup(keys).numpy()[:, 0]
     return state
 
 
@@ -120,8 +123,19 @@ def stored_state(model):
         lambda: {"track_changes": True},
         lambda: {"admission_filter": tfde.ProbabilityFilter(0.5, seed=3, default="zeros")},
         lambda: {"admission_filter": tfde.ProbabilityFilter(0.5, seed=3)},
+        lambda: {"admission_filter": tfde.CounterFilter(3)},
+        lambda: {"admission_filter": tfde.CounterFilter(2, default="zeros")},
     ],
-    ids=["frequency", "timestamp", "ttl", "changes", "admission-zeros", "admission-initializer"],
+    ids=[
+        "frequency",
+        "timestamp",
+        "ttl",
+        "changes",
+        "admission-zeros",
+        "admission-initializer",
+        "counter",
+        "counter-zeros",
+    ],
 )
 def test_alone_local_steps_keep_policy_state_change_labels_and_admission_as_exact_steps(make):
     """Policy state, change labels and admission follow the local steps: a
@@ -164,6 +178,12 @@ def test_a_restriction_between_syncs_syncs_first_and_keeps_what_exact_training_k
         np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+class KeepsState(tfde.ProbabilityFilter):
+    """A filter of a user's that says it keeps state, and no merge rule."""
+
+    stateless = False
+
+
 class NoMergeRule(tfde.FrequencyRestrictPolicy):
     def sync_merges(self):
         return None
@@ -174,7 +194,7 @@ class NoMergeRule(tfde.FrequencyRestrictPolicy):
     "emb,what",
     [
         ({"restrict_policy": NoMergeRule}, "has no rule to merge"),
-        ({"admission_filter": tfde.CounterFilter(2)}, "CounterFilter keeps per-key state"),
+        ({"admission_filter": KeepsState(0.5)}, "KeepsState keeps per-key state with no rule"),
     ],
 )
 def test_state_without_a_merge_rule_is_refused_before_training(emb, what):

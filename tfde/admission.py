@@ -34,8 +34,9 @@ _DEFAULTS = ("initializer", "zeros")
 
 class AdmissionFilter(abc.ABC):
     # True when admit() reads and writes nothing but its arguments: such a
-    # filter decides alike on every worker without talking, which
-    # semi-synchronous training needs (tfde/semi_sync.py refuses the others).
+    # filter decides alike on every worker without talking.  Semi-synchronous
+    # training (tfde/semi_sync.py) takes those, and those whose state is
+    # per-key counts it can merge (sync_counts); it refuses the others.
     stateless = False
 
     def __init__(self, default: str = "initializer"):
@@ -55,6 +56,12 @@ class AdmissionFilter(abc.ABC):
     def get_config(self) -> dict:
         """Constructor arguments (layer configs carry them)."""
         return {"default": self.default}
+
+    def sync_counts(self):
+        """The Variable of per-key counts that semi-synchronous training
+        merges by summing the workers' deltas at each sync (dropping the
+        counts of keys some worker admitted), or None (tfde/semi_sync.py)."""
+        return None
 
     @abc.abstractmethod
     def admit(self, keys: tf.Tensor, stored: tf.Tensor) -> tf.Tensor:
@@ -87,19 +94,28 @@ class CounterFilter(AdmissionFilter):
     def get_config(self) -> dict:
         return {"min_count": self.min_count, **super().get_config()}
 
+    def sync_counts(self):
+        return self.counts
+
     def admit(self, keys: tf.Tensor, stored: tf.Tensor) -> tf.Tensor:
         candidates = tf.boolean_mask(keys, ~stored)
         # A local read: the candidates are this worker's own keys (in
         # distributed training the owner decides), so no exchange is needed.
         seen = self.counts._find(candidates, for_update=True)[0][:, 0] + 1.0
         admitted_new = seen >= float(self.min_count)
-        waiting = tf.boolean_mask(candidates, ~admitted_new)
-        ops = [
-            # A training step's write (the step's number: a step run again
-            # after a failure reads the counts its first attempt read).
-            *self.counts._write_step(waiting, tf.boolean_mask(seen, ~admitted_new)[:, None], {}),
-            self.counts.remove(tf.boolean_mask(candidates, admitted_new)),
-        ]
+        if self.counts._local is not None:
+            # Between the syncs of semi-synchronous training this worker
+            # counts in its local tables; the sync sums the workers' counts
+            # and drops those of the keys some worker admitted.
+            ops = self.counts._write_step(candidates, seen[:, None], {})
+        else:
+            waiting = tf.boolean_mask(candidates, ~admitted_new)
+            ops = [
+                # A training step's write (the step's number: a step run again
+                # after a failure reads the counts its first attempt read).
+                *self.counts._write_step(waiting, tf.boolean_mask(seen, ~admitted_new)[:, None], {}),
+                self.counts.remove(tf.boolean_mask(candidates, admitted_new)),
+            ]
         with tf.control_dependencies([o for o in ops if o is not None]):
             # scatter the decisions for the candidates back over all keys
             positions = tf.where(~stored)[:, 0]

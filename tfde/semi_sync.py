@@ -42,9 +42,9 @@ Per-key state besides rows and optimizer slots merges by its own rule
 (_Entry): a frequency policy's counts are summed like the rows,
 timestamps and change labels keep the largest of the workers' values; a
 restriction syncs first (Variable.restrict).  Keys an admission filter
-has not admitted stay out of the local rows, so no sync stores them; only
-filters that keep no per-key state (AdmissionFilter.stateless) are
-accepted.  Checkpoint saves and exports that read the stores between syncs
+has not admitted stay out of the local rows, so no sync stores them; a
+CounterFilter's counts are summed like the rows (AdmissionFilter.
+sync_counts), and a filter with other state is refused.  Checkpoint saves and exports that read the stores between syncs
 sync first in a process alone, and are refused in a job (before_export).
 """
 
@@ -114,21 +114,26 @@ _SUM, _MEAN, _MAX = "sum", "mean", "max"  # how a sync merges the workers' chang
 
 class _Entry:
     """A trained Variable and its per-key state's LocalTables: its optimizer
-    slots and, when it has them, its restrict policy's state and its change
-    labels.  `merges` says how a sync merges each one's changes (module
-    docstring): the rows and a frequency policy's counts take the sum of the
-    workers' deltas ("sum"), optimizer slots the mean of the deltas of the
-    workers that changed the key ("mean"), timestamps and change labels the
-    latest of the workers' values ("max")."""
+    slots and, when it has them, its restrict policy's state, its change
+    labels and its admission filter's counts.  `merges` says how a sync
+    merges each one's changes (module docstring): the rows, a frequency
+    policy's counts and admission counts take the sum of the workers'
+    deltas ("sum"), optimizer slots the mean of the deltas of the workers
+    that changed the key ("mean"), timestamps and change labels the latest
+    of the workers' values ("max")."""
 
-    def __init__(self, var, slots: list, state: list):
+    def __init__(self, var, slots: list, state: list, counts=None):
         parts = [(var, _SUM)] + [(s, _MEAN) for s in slots] + list(state)
         self.var = var
-        self.variables = [v for v, _ in parts]
+        self.variables = [v for v, _ in parts]  # a key's row and state: written together
         self.slots = self.variables[1:]  # every Variable of the key's state but the rows
-        self.merges = [m for _, m in parts]
-        self.tables = [LocalTables(v) for v in self.variables]
-        self.widths = [v.dim for v in self.variables]
+        # An admission filter's per-key counts (tfde.admission.CounterFilter):
+        # a Variable of their own, for the keys not stored yet, written apart.
+        self.counts = counts
+        every = self.variables + ([counts] if counts is not None else [])
+        self.merges = [m for _, m in parts] + ([_SUM] if counts is not None else [])
+        self.tables = [LocalTables(v) for v in every]
+        self.widths = [v.dim for v in every]
         # With an admission filter, a key the store does not hold stays out
         # of the local rows until the filter admits it (the optimizer asks
         # it as in an exact step); its base is its initial row.
@@ -142,7 +147,7 @@ class _Entry:
         """[k, sum of widths (+ 1)]: the stored rows and state of `keys`
         side by side; missing keys read their initial values.  With an
         admission filter, a last column tells which keys are stored (1)."""
-        found = [v._find(keys, in_step=True, initial=True) for v in self.variables]
+        found = [t.var._find(keys, in_step=True, initial=True) for t in self.tables]
         columns = [tf.cast(rows, self.compute_dtype()) for rows, _ in found]
         if self.admits:
             columns.append(tf.cast(found[0][1], self.compute_dtype())[:, None])
@@ -156,7 +161,7 @@ class _Entry:
     def fill(self, keys, packed) -> list:
         """Stores the fetched rows and state `packed` (read_store) of `keys`
         as their base and, but for the keys an admission filter has not
-        admitted yet, as their local values."""
+        admitted yet (whose counts only), as their local values."""
         if self.admits:
             stored = packed[:, -1] > 0
             packed = packed[:, :-1]
@@ -164,11 +169,16 @@ class _Entry:
         for t, part in zip(self.tables, tf.split(packed, self.widths, axis=1)):
             part = tf.cast(part, t.var.value_dtype)
             ops.append(t.base.insert(keys, part))
-            if self.admits:
+            if self.admits and t.var is not self.counts:
                 ops.append(t.rows.insert(tf.boolean_mask(keys, stored), tf.boolean_mask(part, stored)))
             else:
                 ops.append(t.rows.insert(keys, part))
         return ops
+
+    def held(self, keys):
+        """bool [c]: which of `keys` have a local row (stored when fetched,
+        or admitted since)."""
+        return self.tables[0].rows.find(keys, _ZERO)[1]
 
     def read_local(self, keys):
         """The rows a lookup of `keys` reads between syncs: the local rows;
@@ -186,22 +196,28 @@ class _Entry:
         fetched; deltas are local value minus base, in float32 (float64
         where any of the state is float64: policy state is)."""
         compute = self.compute_dtype()
-        keys, rows, _ = self.tables[0].rows.export_chunk(0, _ALL_ROWS)
+        # Every fetched key (the base holds them all; the local tables hold
+        # a key not admitted yet in its counts only: elsewhere it is its base).
+        keys, _, _ = self.tables[0].base.export_chunk(0, _ALL_ROWS)
         local, deltas = [], []
-        for i, t in enumerate(self.tables):
-            now = tf.cast(rows if i == 0 else t.rows.find(keys, _ZERO)[0], compute)
+        for t in self.tables:
+            base = tf.cast(t.base.find(keys, _ZERO)[0], compute)
+            found, held = t.rows.find(keys, _ZERO)
+            now = tf.where(held[:, None], tf.cast(found, compute), base)
             local.append(now)
-            deltas.append(now - tf.cast(t.base.find(keys, _ZERO)[0], compute))
+            deltas.append(now - base)
         packed, local = tf.concat(deltas, 1), tf.concat(local, 1)
         changed = tf.reduce_any(tf.not_equal(packed, 0), axis=1)
         return tuple(tf.boolean_mask(t, changed) for t in (keys, packed, local))
 
-    def payload(self, packed, local, rank, size):
+    def payload(self, keys, packed, local, rank, size):
         """What this worker sends the owners at a sync in a job: per kind of
         state its delta ("sum", "mean") or, for "max", its local values in
         the block of `size` blocks that is this worker's (zeros in the
-        others: the exchange sums, and the owner takes the largest), then a
-        column of ones (the owner counts the workers that changed a key)."""
+        others: the exchange sums, and the owner takes the largest); then
+        a column of ones (the owner counts the workers that changed a key's
+        row and state: with an admission filter, those that hold a row of
+        it, and not those that only counted it)."""
         columns = []
         pieces = zip(tf.split(packed, self.widths, axis=1), tf.split(local, self.widths, axis=1), self.merges)
         for delta, value, merge in pieces:
@@ -210,26 +226,41 @@ class _Entry:
                 columns.append(tf.reshape(value[:, None, :] * mine[None, :, None], [-1, size * value.shape[1]]))
             else:
                 columns.append(delta)
-        return tf.concat(columns + [tf.ones_like(packed[:, :1])], 1)
+        if self.admits:  # a key this worker only counted is not one whose row or slots it changed
+            changed = tf.cast(self.held(keys), packed.dtype)[:, None]
+        else:
+            changed = tf.ones_like(packed[:, :1])
+        return tf.concat(columns + [changed], 1)
 
     def push_alone(self, keys, packed, local) -> list:
         """A process training alone: the deltas of "sum" state (rows,
         counts) added to the store atomically per key (Table.accum; several
         processes may push the same keys at once), optimizer slots written
         as they are, "max" state written as the larger of the stored and
-        the local value."""
+        the local value.  Only keys with a local row get a row; the others
+        (an admission filter's waiting keys) push their counts."""
         ops = []
         deltas, values = tf.split(packed, self.widths, axis=1), tf.split(local, self.widths, axis=1)
+        held = self.held(keys) if self.admits else None
+        rows_of = keys if held is None else tf.boolean_mask(keys, held)
+
+        def of_held(t):
+            return t if held is None else tf.boolean_mask(t, held)
+
         for v, merge, delta, value in zip(self.variables, self.merges, deltas, values):
             if merge == _SUM:
-                ops.append(v.accum(keys, tf.cast(delta, v.value_dtype)))
+                ops.append(v.accum(rows_of, tf.cast(of_held(delta), v.value_dtype)))
                 continue
-            value = tf.cast(value, v.value_dtype)
+            value = tf.cast(of_held(value), v.value_dtype)
             if merge == _MAX:
-                value = tf.maximum(value, v._find(keys, in_step=True, initial=True)[0])
-            ops += v._write_step(keys, value, {}, store=True)
+                value = tf.maximum(value, v._find(rows_of, in_step=True, initial=True)[0])
+            ops += v._write_step(rows_of, value, {}, store=True)
+        if self.counts is not None:
+            waiting = tf.logical_not(held)
+            ops.append(self.counts.accum(tf.boolean_mask(keys, waiting), tf.boolean_mask(deltas[-1], waiting)))
+            ops.append(self.counts.remove(rows_of))  # admitted: its count goes, as in an exact step
         if self.var.changes is not None:
-            ops.append(self.var.changes.after_sync(keys))
+            ops.append(self.var.changes.after_sync(rows_of))
         return [op for op in ops if op is not None]
 
     def add_owned(self, keys, summed, size) -> list:
@@ -240,30 +271,41 @@ class _Entry:
         place where that is all there is to do; otherwise the owner reads
         the key's row and state, merges and writes them back in one write
         (Variable._write_step), missing keys starting from their initial
-        values, as a training step does."""
+        values, as a training step does.  With an admission filter, only
+        keys some worker holds a row of get one; the others keep their
+        summed counts, and an admitted key's count goes."""
         count = summed[:, -1:]
+        body = summed[:, :-1]
+        held = count[:, 0] > 0 if self.admits else None  # some worker holds a row of the key
         widths = [w * size if m == _MAX else w for w, m in zip(self.widths, self.merges)]
-        parts = tf.split(summed[:, :-1], widths, axis=1)
-        ops = []
+        parts = tf.split(body, widths, axis=1)
+        rows_of = keys if held is None else tf.boolean_mask(keys, held)
+        ops, new = [], []
         in_place = not self.var.shared_between_workers and not self.admits and _MAX not in self.merges
-        new = []
         for v, merge, part in zip(self.variables, self.merges, parts):
             if merge == _MEAN:
                 part = tf.math.divide_no_nan(part, count)
             if in_place:
                 ops.append(v.accum(keys, tf.cast(part, v.value_dtype)))
                 continue
-            stored = tf.cast(v._find(keys, in_step=True, initial=True)[0], part.dtype)
+            part = part if held is None else tf.boolean_mask(part, held)
+            stored = tf.cast(v._find(rows_of, in_step=True, initial=True)[0], part.dtype)
             if merge == _MAX:
                 latest = tf.reduce_max(tf.reshape(part, [-1, size, v.dim]), axis=1)
                 new.append(tf.cast(tf.maximum(stored, latest), v.value_dtype))
             else:
                 new.append(tf.cast(stored + part, v.value_dtype))
         if not in_place:
-            ops += self.var._write_step(keys, new[0], dict(zip(self.slots, new[1:])), store=True)
+            ops += self.var._write_step(rows_of, new[0], dict(zip(self.slots, new[1:])), store=True)
+        if self.counts is not None:
+            waiting = tf.logical_not(held)
+            still = tf.boolean_mask(keys, waiting)
+            counted = self.counts._find(still, in_step=True, initial=True)[0]
+            ops += self.counts._write_step(still, counted + tf.boolean_mask(parts[-1], waiting), {}, store=True)
+            ops.append(self.counts.remove(rows_of))  # admitted: its count goes, as in an exact step
         if self.var.changes is not None:
             with tf.control_dependencies(ops):
-                ops.append(self.var.changes.after_sync(keys))
+                ops.append(self.var.changes.after_sync(rows_of))
         return [op for op in ops if op is not None]
 
     def clear(self) -> list:
@@ -488,16 +530,25 @@ class PeriodicSync:
     def pending(self) -> list:
         """What the next sync would push from this worker, eagerly: a list
         of (Variable, keys [c], deltas [c, dim], values [c, dim]) (numpy)
-        for every trained Variable and each of its optimizer slots (slot
-        Variables, Variable.slots), over the keys whose row or a slot
-        changed since it was fetched: the local value minus the base, and
+        for every trained Variable and each of its optimizer slots, policy
+        state and change labels (slot Variables, Variable.slots) and
+        admission counts (CounterFilter.counts), over the keys whose row or
+        state changed since it was fetched (a key an admission filter has
+        not admitted: its count only): the local value minus the base, and
         the local value.  A worker that stops now loses exactly these."""
         out = []
         for e in self._entries if self.running else []:
             keys, packed, local = e.deltas()
+            held = e.held(keys) if e.admits else tf.ones_like(keys, tf.bool)
             pieces = zip(tf.split(packed, e.widths, axis=1), tf.split(local, e.widths, axis=1))
-            for v, (delta, value) in zip([e.var] + e.slots, pieces):
-                out.append((v, keys.numpy(), delta.numpy(), tf.cast(value, v.value_dtype).numpy()))
+            for v, (delta, value) in zip([t.var for t in e.tables], pieces):
+                # A key with a local row pushes its row and state; a key an
+                # admission filter has not admitted, its count only.
+                mine = tf.logical_not(held) if v is e.counts else held
+                delta, value = tf.boolean_mask(delta, mine), tf.boolean_mask(value, mine)
+                out.append(
+                    (v, tf.boolean_mask(keys, mine).numpy(), delta.numpy(), tf.cast(value, v.value_dtype).numpy())
+                )
         return out
 
     # ---------------------------------------------------------------- internals
@@ -521,16 +572,17 @@ class PeriodicSync:
         if var.changes is not None:
             state.append((var.changes.written, _MAX))
         admission = var.admission_filter
-        if admission is not None and not admission.stateless:
+        counts = None if admission is None else admission.sync_counts()
+        if admission is not None and counts is None and not admission.stateless:
             raise ConfigError(
-                f"{refused}: its admission filter {type(admission).__name__} keeps per-key state (counts) that "
-                "the workers would each decide on apart; train it with every=1 (exact), or admit with "
-                "tfde.ProbabilityFilter, which keeps none (docs/semi-sync.md)"
+                f"{refused}: its admission filter {type(admission).__name__} keeps per-key state with no rule to "
+                "merge the workers' changes (AdmissionFilter.sync_counts); train it with every=1 (exact), or "
+                "admit with tfde.CounterFilter or tfde.ProbabilityFilter (docs/semi-sync.md)"
             )
         if not var.trainable:
             raise ConfigError(f"Variable {var.name!r} is not trainable: leave it out of PeriodicSync's variables")
         slots = [var.slot(name, init) for name, init in rule_for(self.optimizer).slots(self.optimizer)]
-        return _Entry(var, slots, state)
+        return _Entry(var, slots, state, counts)
 
     def _entry(self, var) -> _Entry:
         if var is None:
@@ -566,7 +618,7 @@ class PeriodicSync:
                 _exchange.Gradient(
                     buffer_keys,
                     tf.range(tf.size(keys)) if mine is None else mine,
-                    e.payload(packed, local, ex.rank, ex.size),
+                    e.payload(keys, packed, local, ex.rank, ex.size),
                     e.var.placement,
                 )
                 for (e, keys, packed, local), (buffer_keys, _, mine) in zip(pending, buffers)
