@@ -22,6 +22,7 @@ starts from its initial row either way.
 from __future__ import annotations
 
 import abc
+from typing import Optional
 
 import tensorflow as tf
 
@@ -57,7 +58,7 @@ class AdmissionFilter(abc.ABC):
         """Constructor arguments (layer configs carry them)."""
         return {"default": self.default}
 
-    def sync_counts(self):
+    def sync_counts(self) -> Optional[Variable]:
         """The Variable of per-key counts that semi-synchronous training
         merges by summing the workers' deltas at each sync (dropping the
         counts of keys some worker admitted), or None (tfde/semi_sync.py)."""
@@ -94,7 +95,7 @@ class CounterFilter(AdmissionFilter):
     def get_config(self) -> dict:
         return {"min_count": self.min_count, **super().get_config()}
 
-    def sync_counts(self):
+    def sync_counts(self) -> Optional[Variable]:
         return self.counts
 
     def admit(self, keys: tf.Tensor, stored: tf.Tensor) -> tf.Tensor:
