@@ -44,8 +44,9 @@ timestamps and change labels keep the largest of the workers' values; a
 restriction syncs first (Variable.restrict).  Keys an admission filter
 has not admitted stay out of the local rows, so no sync stores them; a
 CounterFilter's counts are summed like the rows (AdmissionFilter.
-sync_counts), and a filter with other state is refused.  Checkpoint saves and exports that read the stores between syncs
-sync first in a process alone, and are refused in a job (before_export).
+sync_counts), and a filter with other state is refused.  Checkpoint
+saves and exports that read the stores between syncs sync first in a
+process alone, and are refused in a job (before_export).
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ class _Entry:
         return self.tables[0].rows.find(keys, default)[0]
 
     def compute_dtype(self):
-        return tf.float64 if any(v.value_dtype == tf.float64 for v in self.variables) else tf.float32
+        return tf.float64 if any(t.var.value_dtype == tf.float64 for t in self.tables) else tf.float32
 
     def deltas(self):
         """(keys [c], deltas [c, sum of widths], local values [c, sum of
