@@ -129,6 +129,12 @@ def parser() -> argparse.ArgumentParser:
         help="semi-synchronous training: workers train apart and sync every K steps (1: exact; docs/semi-sync.md)",
     )
     t.add_argument(
+        "--sync-replicate",
+        action="store_true",
+        help="with --sync-every K > 1 and --workers: each worker keeps a copy of the sharded tables between syncs, "
+        "so lookups between syncs run no collective (memory: every table on every worker; docs/semi-sync.md)",
+    )
+    t.add_argument(
         "--exchange-stats",
         action="store_true",
         help="measure the multi-worker exchange (bytes and time in collectives per step)",

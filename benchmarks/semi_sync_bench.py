@@ -1,7 +1,8 @@
 """Semi-synchronous training against exact training: 2 MWMS workers of the
 two-tower demo and of the DLRM demo, a sync every k in {1, 4, 16, 64} steps
-(k = 1 is exact training), on sharded cuckoo tables and on a shared Redis
-store (docs/semi-sync.md).
+(k = 1 is exact training), on sharded cuckoo tables (fetching each key
+from its owner, and with copies of the tables on every worker: "cuckoo-copies",
+--sync-replicate) and on a shared Redis store (docs/semi-sync.md).
 
 Each run is `tfde train --workers 2 --sync-every K --exchange-stats` (tf-keras
 model.fit) on the same synthetic data for the same number of epochs, so every
@@ -11,7 +12,7 @@ payload KiB and ms per step inside tfde's collectives (the dense weights'
 average at a sync included; waiting for the other worker too), and held-out
 quality: recall@100 (two-tower) or AUC (DLRM), with the ratio to k = 1.
 
-  python -m benchmarks.semi_sync_bench                 # 16 runs, about 20 minutes on 2 cores
+  python -m benchmarks.semi_sync_bench                 # 22 runs, about 30 minutes on 2 cores
   python -m benchmarks.semi_sync_bench --quick         # small data, k in {1, 4}: what CI runs
   python -m benchmarks.semi_sync_bench --plot docs/images/semi-sync-tradeoff.png   # also draws (matplotlib)
   python -m benchmarks.semi_sync_bench --from benchmarks/results/semi-sync-*.json --plot out.png  # a run again
@@ -51,6 +52,8 @@ def run(
     cmd += [f.format(size=size, users=users, items=items) for f in flags]
     cmd += ["--workers", "2", "--engine", "mwms", "--exchange-stats", "--sync-every", str(every)]
     tag = None
+    if layout == "cuckoo-copies":
+        cmd += ["--sync-replicate"]
     if layout == "redis":
         tag = f"semi-bench-{uuid.uuid4().hex[:8]}"
         cfg = Path(tmp) / f"{tag}.json"
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--every", default="1,4,16,64", help="the values of k, comma-separated (1 is the baseline)")
     p.add_argument("--models", default="two-tower,dlrm")
-    p.add_argument("--layouts", default="cuckoo,redis")
+    p.add_argument("--layouts", default="cuckoo,cuckoo-copies,redis")
     p.add_argument("--interactions", type=int, default=200_000, help="two-tower data")
     p.add_argument("--examples", type=int, default=200_000, help="DLRM data")
     p.add_argument("--epochs", type=int, default=3, help="two-tower epochs")
@@ -170,7 +173,12 @@ def main(argv=None) -> int:
                 for every in sorted(everies):
                     epochs = args.epochs if model == "two-tower" else args.dlrm_epochs
                     vocab = (2_000, 1_000) if args.quick else (20_000, 5_000)
-                    r = run(model, layout, every, size, epochs, args.port, tmp, *vocab)
+                    exact = [x for x in results if x["model"] == model and x["layout"] == "cuckoo" and x["every"] == 1]
+                    if layout == "cuckoo-copies" and every == 1 and exact:
+                        # The same program: replicate changes nothing at k = 1.
+                        r = {k: v for k, v in exact[0].items() if k not in ("model", "layout", "every")}
+                    else:
+                        r = run(model, layout, every, size, epochs, args.port, tmp, *vocab)
                     results.append({"model": model, "layout": layout, "every": every, **r})
                     print(f"  {model}, {layout}, k={every}: {r}", flush=True)
     print(

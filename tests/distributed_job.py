@@ -261,7 +261,7 @@ def restrict_callbacks():
     if cfg.get("restrict"):
         out.append(tfde.keras.callbacks.RestrictCallback(every_n_steps=2, num_reserved=cfg["restrict"]))
     if cfg.get("sync_every"):
-        periodic = tfde.keras.callbacks.PeriodicSync(cfg["sync_every"])
+        periodic = tfde.keras.callbacks.PeriodicSync(cfg["sync_every"], replicate=cfg.get("replicate", False))
         out += [PushRecorder(lambda: periodic.sync, lambda step: step - periodic._last >= periodic.every), periodic]
     return out
 
@@ -443,7 +443,12 @@ def train_and_save():
         if cfg.get("sync_every"):
             dense = [v for v in model.trainable_variables if not tfde.variable.is_step_buffer(v)]
             periodic = tfde.semi_sync.PeriodicSync(
-                cfg["sync_every"], [layer.params for layer in model_layers], opt, dense, strategy=strategy
+                cfg["sync_every"],
+                [layer.params for layer in model_layers],
+                opt,
+                dense,
+                strategy=strategy,
+                replicate=cfg.get("replicate", False),
             )
             periodic.start()
         auto = (

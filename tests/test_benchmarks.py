@@ -96,11 +96,11 @@ def test_distributed_bench_quick_with_both_engines():
 
 def test_semi_sync_bench_quick_and_again_from_its_results():
     out = _bench("benchmarks.semi_sync_bench", "--quick", timeout=1200)
-    for layout in ("cuckoo", "redis"):
+    for layout in ("cuckoo", "cuckoo-copies", "redis"):
         for k in (1, 4):
             assert re.search(rf"two-tower {layout:<9}\s+{k}\s+[\d,]+", out), (layout, k, out[-2000:])
     again = _bench("benchmarks.semi_sync_bench", "--from", str(_written(out)))
-    assert again.strip().splitlines()[-4:] == out.split("written:")[0].strip().splitlines()[-4:]
+    assert again.strip().splitlines()[-6:] == out.split("written:")[0].strip().splitlines()[-6:]
 
 
 def test_dlrm_bench_table_of_several_rounds():

@@ -274,3 +274,50 @@ def test_steps_where_no_worker_fetches_a_new_key(tmp_path, tag, engine):
     run ends right after a sync, so the last sync has nothing to push."""
     tables, _ = run_job(tmp_path, 2, engine, "adam", "cuckoo", tag, {"sync_every": 4, "steps": 2, "repeat": 4})
     assert len(tables["item_emb"]) > 0
+
+
+# Copies of the sharded tables (PeriodicSync(replicate=True)): a policy and
+# change tracking too, so every merge rule goes through the copies' sync.
+COPIES = {"replicate": True, "policies": {"user_emb": "frequency", "item_emb": "timestamp"}, "track_changes": True}
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize("engine", ENGINES)
+def test_copies_of_sharded_tables_store_what_fetching_stores(tmp_path, tag, engine):
+    check_copies_store_what_fetching_stores(tmp_path, tag, engine)
+
+
+def check_copies_store_what_fetching_stores(tmp_path, tag, engine):
+    """replicate=True (no collective between syncs) pushes and stores what
+    the default (each key fetched from its owner at its first lookup after
+    a sync) does: the replay check holds, and both runs' stores are equal."""
+    (tmp_path / "copies").mkdir()
+    (tmp_path / "fetch").mkdir()
+    copies, _ = check_every_k_pushes(tmp_path / "copies", tag, engine, "cuckoo", COPIES)
+    fetched, _ = check_every_k_pushes(tmp_path / "fetch", tag, engine, "cuckoo", {**COPIES, "replicate": False})
+    _same_stores(copies, fetched)
+
+
+def _same_stores(one, two):
+    assert set(one) == set(two)
+    for name in one:
+        assert set(one[name]) == set(two[name]), name
+        for key, row in one[name].items():
+            np.testing.assert_allclose(row, two[name][key], rtol=1e-6, atol=1e-7, err_msg=f"{name}[{key!r}]")
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize("engine", ENGINES)
+def test_copies_are_made_anew_after_a_restriction(tmp_path, tag, engine):
+    """A frequency restriction every 2 steps (between syncs, with every=4)
+    removes keys from the owners' stores; the copies are made anew after
+    it (a removed key reads its initial row again), so the run stores what
+    the run fetching from the owners stores."""
+    runs = {}
+    for replicate in (True, False):
+        (tmp_path / str(replicate)).mkdir()
+        cfg = {"sync_every": 4, "steps": 10, "restrict": 20, "replicate": replicate}
+        runs[replicate], _ = run_job(tmp_path / str(replicate), 2, engine, "adam", "cuckoo", tag, cfg)
+    init = dict(np.load(str(tmp_path / "True" / "out2") + "-init.npz"))
+    assert len(runs[True]["user_emb"]) < len(init["user_emb/keys"]), "the restriction removed nothing"
+    _same_stores(runs[True], runs[False])

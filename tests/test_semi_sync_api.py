@@ -348,3 +348,51 @@ def test_a_write_to_the_store_between_syncs_replaces_the_local_rows():
     finally:
         sync.stop()
     np.testing.assert_allclose(var.lookup([1, 2]).numpy(), [[4.0, 4.0], [-2.0, -2.0]])
+
+
+class FirstOfTwo(tfde.exchange.Exchange):
+    """Worker 0 of a job of 2, as far as what runs before a training step
+    goes (start() makes its copies through sum_everywhere: with one process,
+    its own keys)."""
+
+    size = 2
+
+
+@pytest.fixture
+def in_a_job():
+    tfde.exchange.install(FirstOfTwo())
+    try:
+        yield
+    finally:
+        tfde.semi_sync.abort()
+        tfde.exchange.install(None)
+
+
+def test_copies_refuse_an_admission_filter_and_writes_between_syncs(in_a_job):
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+    admits = tfde.Variable("copies_admits", dim=2, admission_filter=tfde.CounterFilter(2))
+    with pytest.raises(ConfigError, match="admission filter CounterFilter decides per worker"):
+        tfde.semi_sync.PeriodicSync(4, [admits], opt, replicate=True).start()
+    assert not tfde.semi_sync.local_steps_on()
+    with pytest.raises(ConfigError, match="replicate must be True or False, got 'yes'"):
+        tfde.semi_sync.PeriodicSync(4, [admits], opt, replicate="yes")
+    with pytest.raises(ConfigError, match="replicate must be True or False"):
+        tfde.keras.callbacks.PeriodicSync(4, replicate=1)
+
+    var = tfde.Variable("copies_writes", dim=2, initializer=0.0)
+    var.upsert(tf.constant([2, 4], tf.int64), tf.ones([2, 2]))  # worker 0 owns 4 of them: hashed
+    sync = tfde.semi_sync.PeriodicSync(4, [var], opt, replicate=True)
+    sync.start()
+    copied = {int(k) for k in var._local.base.export_chunk(0, 100)[0].numpy()}
+    owned = tfde.exchange.owner(tf.constant([2, 4], tf.int64), 2).numpy() == 0
+    assert copied == {k for k, mine in zip([2, 4], owned) if mine}  # its own keys, the only ones it has
+    for write in (
+        lambda: var.upsert(tf.constant([3], tf.int64), tf.ones([1, 2])),
+        lambda: var.accum(tf.constant([2], tf.int64), tf.ones([1, 2])),
+        lambda: var.remove(tf.constant([2], tf.int64)),
+    ):
+        with pytest.raises(ConfigError, match="other workers' copies would not see the write"):
+            write()
+    sync.abort()
+    np.testing.assert_array_equal(var.lookup(tf.constant([2, 4, 3], tf.int64)).numpy(), [[1, 1], [1, 1], [0, 0]])
+    var.upsert(tf.constant([3], tf.int64), tf.ones([1, 2]))  # after the local steps: a plain write

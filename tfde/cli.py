@@ -107,6 +107,7 @@ def _train(args) -> int:
         k=args.k,
         engine=engine,
         sync_every=args.sync_every,
+        sync_replicate=args.sync_replicate,
     )
     k = args.k
     if not engine.chief:
@@ -169,6 +170,7 @@ def _train_dlrm(args, engine, creator, say) -> int:
         engine=engine,
         features=clicks.CATEGORICAL[: args.features],
         sync_every=args.sync_every,
+        sync_replicate=args.sync_replicate,
     )
     better = result["auc"] > result["dense_baseline_auc"]
     if not engine.chief:

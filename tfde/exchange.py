@@ -170,6 +170,14 @@ class Exchange:
         the same collectives: a list of (keys, gradients) in their order."""
         return [sum_per_key(tf.gather(p.buffer_keys, p.indices), p.values) for p in parts]
 
+    def sum_everywhere(self, parts: list) -> list:
+        """parts: a list of (keys [n], values [n, d]) of this worker.  Every
+        worker gets, per part, (keys [u]: every key any worker passed,
+        values [u, d]: the sum over the workers of the values passed with
+        it), the same on every worker (semi-synchronous training's copies
+        of sharded tables, tfde/semi_sync.py)."""
+        return [sum_per_key(keys, values) for keys, values in parts]
+
     def gradient_scale(self, optimizer) -> float:
         """Factor for owner_gradients' sums when `optimizer` applies them: 1
         where the engine sums gradients (tf.distribute, whose loss is already

@@ -38,6 +38,13 @@ every worker at once:
 A sync that fails detaches the local tables without pushing again (no
 delta is ever counted twice); that worker's unsynced deltas are lost.
 
+With replicate=True (tables sharded over the workers of a job), each worker
+keeps a copy of every such table as its base, made at start and kept equal
+to the stores: at a sync every worker gets the merged changes of every key
+and computes the new values as the owner does (_Entry.sync_copy).  A lookup
+between syncs then reads the copy and runs no collective; a restriction or
+a restore makes the copies anew (rewriting_stores).
+
 Per-key state besides rows and optimizer slots merges by its own rule
 (_Entry): a frequency policy's counts are summed like the rows,
 timestamps and change labels keep the largest of the workers' values; a
@@ -51,6 +58,7 @@ process alone, and are refused in a job (before_export).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Optional, Sequence
@@ -99,13 +107,18 @@ class LocalTables:
     """A Variable's tables of this worker between syncs: `rows` (its local
     rows, which training reads and writes: Variable._train_tables) and
     `base` (the rows those keys had in the store when first fetched after
-    the last sync).  Both hold exactly the keys fetched since the last sync.
-    Written by a training step's lookup (fill) and apply, and emptied by
-    the sync; one step at a time."""
+    the last sync).  Both hold exactly the keys fetched since the last sync
+    (with a copy, `base` holds the whole store: see `copy`).  Written by a
+    training step's lookup (fill) and apply, and emptied by the sync; one
+    step at a time."""
 
-    def __init__(self, var):
+    def __init__(self, var, copy: bool = False):
         creator = CuckooTableCreator()
         self.var = var
+        # A copy of the Variable's whole store (PeriodicSync(replicate=True)):
+        # `base` then holds every stored key as of the last sync, and is
+        # kept across syncs; `rows` the keys looked up since the last sync.
+        self.copy = copy
         self.rows = creator.create(f"{var.name}/local_rows", var.key_dtype, var.value_dtype, var.dim)
         self.base = creator.create(f"{var.name}/local_base", var.key_dtype, var.value_dtype, var.dim)
 
@@ -123,7 +136,7 @@ class _Entry:
     that changed the key ("mean"), timestamps and change labels the latest
     of the workers' values ("max")."""
 
-    def __init__(self, var, slots: list, state: list, counts=None):
+    def __init__(self, var, slots: list, state: list, counts=None, copy: bool = False):
         parts = [(var, _SUM)] + [(s, _MEAN) for s in slots] + list(state)
         self.var = var
         self.variables = [v for v, _ in parts]  # a key's row and state: written together
@@ -133,7 +146,11 @@ class _Entry:
         self.counts = counts
         every = self.variables + ([counts] if counts is not None else [])
         self.merges = [m for _, m in parts] + ([_SUM] if counts is not None else [])
-        self.tables = [LocalTables(v) for v in every]
+        # With a copy (PeriodicSync(replicate=True)), the base tables hold
+        # the whole store as of the last sync: no lookup between syncs
+        # fetches, and a key they lack is not stored (its initial values).
+        self.copy = copy
+        self.tables = [LocalTables(v, copy) for v in every]
         self.widths = [v.dim for v in every]
         # With an admission filter, a key the store does not hold stays out
         # of the local rows until the filter admits it (the optimizer asks
@@ -155,9 +172,21 @@ class _Entry:
         return tf.concat(columns, 1)
 
     def missing(self, keys):
-        """The keys of `keys` [u] not fetched since the last sync."""
-        _, hit = self.tables[0].base.find(keys, _ZERO)
+        """The keys of `keys` [u] not fetched (not looked up, with a copy)
+        since the last sync."""
+        _, hit = (self.tables[0].rows if self.copy else self.tables[0].base).find(keys, _ZERO)
         return tf.boolean_mask(keys, tf.logical_not(hit))
+
+    def _base(self, t, keys, dtype):
+        """The base rows of `keys` in LocalTables `t`, as `dtype`: with a copy,
+        a key it lacks reads its initial values, as from the store."""
+        default = t.var._missing(keys, for_update=True) if self.copy else _ZERO
+        return tf.cast(t.base.find(keys, default)[0], dtype)
+
+    def read_copy(self, keys):
+        """read_store from this worker's copy of the store (no admission
+        filter: PeriodicSync refuses one with copies)."""
+        return tf.concat([self._base(t, keys, self.compute_dtype()) for t in self.tables], 1)
 
     def fill(self, keys, packed) -> list:
         """Stores the fetched rows and state `packed` (read_store) of `keys`
@@ -169,6 +198,9 @@ class _Entry:
         ops = []
         for t, part in zip(self.tables, tf.split(packed, self.widths, axis=1)):
             part = tf.cast(part, t.var.value_dtype)
+            if self.copy:  # the base holds them already (or their initial values)
+                ops.append(t.rows.insert(keys, part))
+                continue
             ops.append(t.base.insert(keys, part))
             if self.admits and t.var is not self.counts:
                 ops.append(t.rows.insert(tf.boolean_mask(keys, stored), tf.boolean_mask(part, stored)))
@@ -198,11 +230,12 @@ class _Entry:
         where any of the state is float64: policy state is)."""
         compute = self.compute_dtype()
         # Every fetched key (the base holds them all; the local tables hold
-        # a key not admitted yet in its counts only: elsewhere it is its base).
-        keys, _, _ = self.tables[0].base.export_chunk(0, _ALL_ROWS)
+        # a key not admitted yet in its counts only: elsewhere it is its
+        # base).  With a copy, the keys looked up since the last sync.
+        keys, _, _ = (self.tables[0].rows if self.copy else self.tables[0].base).export_chunk(0, _ALL_ROWS)
         local, deltas = [], []
         for t in self.tables:
-            base = tf.cast(t.base.find(keys, _ZERO)[0], compute)
+            base = self._base(t, keys, compute)
             found, held = t.rows.find(keys, _ZERO)
             now = tf.where(held[:, None], tf.cast(found, compute), base)
             local.append(now)
@@ -309,8 +342,62 @@ class _Entry:
                 ops.append(self.var.changes.after_sync(rows_of))
         return [op for op in ops if op is not None]
 
+    def sync_copy(self, keys, summed, size, owned) -> list:
+        """With copies: `summed` (payload, summed over the workers, on every
+        worker) holds the merged changes of `keys` (every key some worker
+        changed) and, last, how many workers changed each.  Every worker
+        computes the keys' new row and state from its copy, which holds
+        the store as of the last sync, in the same way; the owner (`owned`
+        [u] bool) writes its keys to the store in one write, as add_owned
+        does, and every worker writes them all to its copy."""
+        count = summed[:, -1:]
+        widths = [w * size if m == _MAX else w for w, m in zip(self.widths, self.merges)]
+        new = []
+        for t, merge, part in zip(self.tables, self.merges, tf.split(summed[:, :-1], widths, axis=1)):
+            stored = self._base(t, keys, part.dtype)
+            if merge == _MEAN:
+                part = tf.math.divide_no_nan(part, count)
+            if merge == _MAX:
+                value = tf.maximum(stored, tf.reduce_max(tf.reshape(part, [-1, size, t.var.dim]), axis=1))
+            else:
+                value = stored + part
+            new.append(tf.cast(value, t.var.value_dtype))
+        mine = tf.boolean_mask(keys, owned)
+        ops = self.var._write_step(
+            mine,
+            tf.boolean_mask(new[0], owned),
+            {s: tf.boolean_mask(n, owned) for s, n in zip(self.slots, new[1:])},
+            store=True,
+        )
+        ops += [t.base.insert(keys, n) for t, n in zip(self.tables, new)]
+        if self.var.changes is not None:
+            with tf.control_dependencies(ops):
+                ops.append(self.var.changes.after_sync(mine))
+        return [op for op in ops if op is not None]
+
+    def owned_store(self):
+        """(keys, read_store of them): every key of this worker's store."""
+        tables = self.var._write_tables()
+        keys = tf.concat([t.export_chunk(0, _ALL_ROWS)[0] for t in tables], 0)
+        return keys, self.read_store(keys)
+
+    def load_copy(self, keys, packed) -> list:
+        """Makes `keys` with their read_store values `packed` the copy."""
+        ops = []
+        for t, part in zip(self.tables, tf.split(packed, self.widths, axis=1)):
+            with tf.control_dependencies([t.base.clear(), t.rows.clear()]):
+                ops.append(t.base.insert(keys, tf.cast(part, t.var.value_dtype)))
+        return ops
+
     def clear(self) -> list:
-        return [op for t in self.tables for op in (t.rows.clear(), t.base.clear())]
+        """Empties the local tables (with a copy: the local rows only)."""
+        return [op for t in self.tables for op in ([t.rows.clear()] + ([] if self.copy else [t.base.clear()]))]
+
+    def dirty(self) -> bool:
+        """Whether a local table holds anything since the last sync (eager)."""
+        return any(int(t.rows.size()) > 0 for t in self.tables) or (
+            not self.copy and int(self.tables[0].base.size()) > 0
+        )
 
 
 class LocalSteps(_exchange.Exchange):
@@ -342,9 +429,15 @@ class LocalSteps(_exchange.Exchange):
             lookups = [_exchange.Lookup(tf.identity(p.keys), p.find, p.placement, p.variable) for p in lookups]
         misses = [e.missing(p.keys) for e, p in zip(entries, lookups)]
         fetched = [None] * len(lookups)
-        through = [i for i, e in enumerate(entries) if self._inner.collective and not e.var.shared_between_workers]
+        through = [
+            i
+            for i, e in enumerate(entries)
+            if self._inner.collective and not e.var.shared_between_workers and not e.copy
+        ]
         for i, e in enumerate(entries):
-            if i not in through:  # a shared store (or training alone): read it here
+            if e.copy:  # this worker's copy of the store: no collective
+                fetched[i] = e.read_copy(misses[i])
+            elif i not in through:  # a shared store (or training alone): read it here
                 fetched[i] = e.read_store(misses[i])
         if through:
             found = self._inner.rows_for_many(
@@ -405,6 +498,13 @@ class PeriodicSync:
         model builds its weights in its first step).
       strategy: the tf.distribute strategy of the job, if any (default: the
         one in scope, else the one the Variables were made under).
+      replicate: in a job, each worker keeps a copy of every table whose
+        keys are sharded over the workers (not of a store they share, such
+        as Redis) between syncs, updated at each sync: lookups between
+        syncs then run no collective at all.  Memory: every such table,
+        with its optimizer slots and policy state, on every worker.  Not
+        with admission filters.  docs/semi-sync.md, "Copies of sharded
+        tables".
 
     Not thread-safe: one training loop drives it.
 
@@ -417,8 +517,13 @@ class PeriodicSync:
       >>> sync.stop()
     """
 
-    def __init__(self, every: int, variables: Sequence, optimizer, dense: Sequence = (), strategy=None):
+    def __init__(
+        self, every: int, variables: Sequence, optimizer, dense: Sequence = (), strategy=None, replicate: bool = False
+    ):
         self.every = every_arg(every)
+        if not isinstance(replicate, bool):
+            raise ConfigError(f"replicate must be True or False, got {replicate!r}")
+        self.replicate = replicate
         unique = {id(v): v for v in variables}
         # Sorted by name: every worker pushes the same Variables in the same
         # order (the sync's collectives pair them up).
@@ -433,7 +538,8 @@ class PeriodicSync:
         self.steps = 0  # local steps since the last sync
         self.syncs = 0
         self._entries = None
-        self._sync_fn = None
+        self._sync_fn = self._load_fn = None
+        self._job = False  # whether it trains in a job of several workers (set by start)
         self._generation = 0
 
     # ---------------------------------------------------------------- control
@@ -459,16 +565,35 @@ class PeriodicSync:
                 "would not reach the other workers; pass strategy= (or create it and the Variables under "
                 "strategy.scope())"
             )
+        engine = _exchange.installed()
+        self._job = self.strategy is not None or (engine is not None and engine.collective)
         self._entries = [self._make_entry(v) for v in self.variables]
-        self._sync_fn = None  # traced against these entries' tables
+        self._sync_fn = self._load_fn = None  # traced against these entries' tables
         for e in self._entries:
             e.attach(True)
         _running = self
         self._generation = int(_generation().assign_add(1).numpy())
         _exchange.set_local_steps(lambda inner: LocalSteps(self, inner))
-        engine = _exchange.installed()
         if engine is not None:
             engine.keep_gradients_local(self.optimizer, True)
+        self.steps = 0
+        try:
+            self.load_copies()
+        except BaseException:
+            self.abort()
+            raise
+
+    def load_copies(self) -> None:
+        """Makes each worker's copies (replicate=True) of the stores anew
+        from what the stores hold, dropping the local steps' changes since
+        the last sync; every worker must call it at the same point (start,
+        and after a restriction or a checkpoint restore rewrote the
+        stores).  Nothing without copies."""
+        if not self.running or not any(e.copy for e in self._entries):
+            return
+        if self._load_fn is None:
+            self._load_fn = tf.function(self._load_body, autograph=False)
+        self._run(self._load_fn)
         self.steps = 0
 
     def after_step(self) -> bool:
@@ -494,15 +619,18 @@ class PeriodicSync:
         if self._sync_fn is None:
             self._sync_fn = tf.function(self._sync_body, autograph=False)
         try:
-            if self.strategy is not None:
-                self.strategy.run(self._sync_fn)
-            else:
-                self._sync_fn()
+            self._run(self._sync_fn)
         except BaseException:
             self.abort()
             raise
         self.steps = 0
         self.syncs += 1
+
+    def _run(self, fn) -> None:
+        if self.strategy is not None:
+            self.strategy.run(fn)
+        else:
+            fn()
 
     def stop(self) -> None:
         """Syncs, then turns local steps off (trace the step again)."""
@@ -555,8 +683,8 @@ class PeriodicSync:
     # ---------------------------------------------------------------- internals
 
     def _dirty(self) -> bool:
-        """Whether a local table holds anything (eager)."""
-        return any(int(e.tables[0].base.size()) > 0 for e in self._entries or [])
+        """Whether a local table holds anything since the last sync (eager)."""
+        return any(e.dirty() for e in self._entries or [])
 
     def _make_entry(self, var) -> _Entry:
         refused = f"semi-synchronous training (every={self.every}) does not support Variable {var.name!r}"
@@ -582,8 +710,15 @@ class PeriodicSync:
             )
         if not var.trainable:
             raise ConfigError(f"Variable {var.name!r} is not trainable: leave it out of PeriodicSync's variables")
+        copy = self.replicate and self._job and not var.shared_between_workers
+        if copy and admission is not None:
+            raise ConfigError(
+                f"{refused} with copies of its table (replicate=True): its admission filter "
+                f"{type(admission).__name__} decides per worker which keys the store holds; train it with "
+                "replicate=False, or without the filter"
+            )
         slots = [var.slot(name, init) for name, init in rule_for(self.optimizer).slots(self.optimizer)]
-        return _Entry(var, slots, state, counts)
+        return _Entry(var, slots, state, counts, copy)
 
     def _entry(self, var) -> _Entry:
         if var is None:
@@ -596,6 +731,20 @@ class PeriodicSync:
             "given it; pass every trained tfde Variable (the Keras callback takes the model's)"
         )
 
+    def _load_body(self):
+        ex = _exchange.engine_active()
+        copies = [e for e in self._entries if e.copy]
+        parts = []
+        for e in copies:
+            keys, packed = e.owned_store()
+            # Each key is in its owner's store only: the sum over the workers is its values.
+            mine = ex.owned(keys, e.var.placement)
+            parts.append((tf.boolean_mask(keys, mine), tf.boolean_mask(packed, mine)))
+        everywhere = ex.sum_everywhere(parts)
+        ops = [op for e, (keys, packed) in zip(copies, everywhere) for op in e.load_copy(keys, packed)]
+        with tf.control_dependencies(ops):
+            return tf.constant(True)
+
     def _sync_body(self):
         ex = _exchange.engine_active()
         pending = [(e,) + e.deltas() for e in self._entries]
@@ -604,6 +753,17 @@ class PeriodicSync:
             # Alone (independent processes may share a Redis store).
             writes = [op for e, keys, packed, local in pending for op in e.push_alone(keys, packed, local)]
         else:
+            # With copies: every worker gets the sums of every key's changes
+            # and computes the new values; the owner writes them to the store.
+            copies = [(e, keys, packed, local) for e, keys, packed, local in pending if e.copy]
+            pending = [p for p in pending if not p[0].copy]
+            if copies:
+                everywhere = ex.sum_everywhere(
+                    [(keys, e.payload(keys, packed, local, ex.rank, ex.size)) for e, keys, packed, local in copies]
+                )
+                for (e, _, _, _), (keys, summed) in zip(copies, everywhere):
+                    writes += e.sync_copy(keys, summed, ex.size, ex.owned(keys, e.var.placement))
+        if ex.collective and pending:
             # In a job: each key's deltas summed at its owner, its only
             # writer, by the exchange's own two steps: a lookup gives the
             # buffer the workers' deltas are summed in, then the owners get
@@ -655,6 +815,28 @@ def sync_now() -> None:
     if _running is not None:
         _running.steps = max(_running.steps, 1)
         _running.sync()
+
+
+_REWRITING = []  # not empty while a restriction or a restore rewrites the stores
+
+
+@contextlib.contextmanager
+def rewriting_stores():
+    """A restriction or a checkpoint restore (every worker at the same
+    point) rewrites the stores: the copies of PeriodicSync(replicate=True)
+    are made anew after it succeeds (a collective call)."""
+    _REWRITING.append(True)
+    try:
+        yield
+    finally:
+        _REWRITING.pop()
+    if _running is not None:
+        _running.load_copies()
+
+
+def rewriting() -> bool:
+    """Whether a restriction or a restore is rewriting the stores now."""
+    return bool(_REWRITING)
 
 
 def before_export(what: str) -> None:

@@ -462,6 +462,14 @@ class Variable(tf.Module):
         reads what was written (docs/semi-sync.md)."""
         if self._local is None:
             return []
+        from tfde import semi_sync
+
+        if self._local.copy and not semi_sync.rewriting():
+            raise ConfigError(
+                f"Variable {self.name!r} is written between the syncs of semi-synchronous training with copies of "
+                "its table on every worker (PeriodicSync(replicate=True)): the other workers' copies would not "
+                "see the write.  Write before start() or after stop(), or train with replicate=False"
+            )
         return [self._local.rows.remove(flat), self._local.base.remove(flat)]
 
     def remove(self, keys: KeysLike) -> tf.Tensor:
@@ -655,6 +663,8 @@ class Variable(tf.Module):
             from tfde import semi_sync
 
             semi_sync.sync_now()
+            with semi_sync.rewriting_stores():  # copies of the stores are made anew after it
+                return self.restrict_policy.restrict(num_reserved, trigger)
         return self.restrict_policy.restrict(num_reserved, trigger)
 
     @property

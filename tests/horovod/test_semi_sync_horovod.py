@@ -12,7 +12,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distributed_check import redis_tag, run_job  # noqa: E402
-from test_semi_sync import STATE, check_every_1_is_exact, check_every_k_pushes  # noqa: E402
+from test_semi_sync import (  # noqa: E402
+    STATE,
+    check_copies_store_what_fetching_stores,
+    check_every_1_is_exact,
+    check_every_k_pushes,
+)
 
 assert os.environ.get("TF_USE_LEGACY_KERAS") == "1", "Horovod's Keras support needs tf-keras: TF_USE_LEGACY_KERAS=1"
 
@@ -46,3 +51,8 @@ def test_steps_where_no_worker_fetches_a_new_key_under_horovod(tmp_path, tag):
     on any worker, and a last sync with nothing to push."""
     tables, _ = run_job(tmp_path, 2, "hvd", "adam", "cuckoo", tag, {"sync_every": 4, "steps": 2, "repeat": 4})
     assert len(tables["item_emb"]) > 0
+
+
+def test_copies_of_sharded_tables_store_what_fetching_stores_under_horovod(tmp_path, tag):
+    """As tests/test_semi_sync.py's, with the copies' sums gathered by Horovod's all-gather."""
+    check_copies_store_what_fetching_stores(tmp_path, tag, "hvd")

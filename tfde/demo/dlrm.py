@@ -100,13 +100,15 @@ def train(
     engine=None,
     features=CATEGORICAL,
     sync_every: int = 1,
+    sync_replicate: bool = False,
 ) -> dict:
     """Trains the DLRM demo; returns figures (loss, examples/s, AUCs, table
     sizes).  With several workers (engine) each trains on its share of the
     data with batch_size examples per step.  features: the categorical
     features the model uses (a prefix of CATEGORICAL).  sync_every:
     semi-synchronous training with a sync every that many steps
-    (tfde.keras.callbacks.PeriodicSync; docs/semi-sync.md); 1: exact."""
+    (tfde.keras.callbacks.PeriodicSync; docs/semi-sync.md); 1: exact.
+    sync_replicate: its replicate option (copies of the sharded tables)."""
     features = list(features)
     if features != CATEGORICAL[: len(features)]:
         raise tfde.ConfigError(f"features must be the first N of {CATEGORICAL}, got {features}")
@@ -133,7 +135,7 @@ def train(
     rate = ExamplesPerSecond(batch_size * engine.size, verbose=bool(verbose))
     callbacks = [rate] + engine.callbacks()
     if sync_every > 1:
-        callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every))
+        callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every, replicate=sync_replicate))
     if engine.size == 1:
         ds = dataset(data.train_dense, data.train_cats, data.train_labels, batch_size, seed, names=features)
         steps = None

@@ -88,15 +88,16 @@ class GatherExchange(exchange.Exchange):
         # the global batch, and the exact step sums the workers' gradients.
         return float(self.size)
 
-    def rows_for_many(self, lookups):
-        # One all-gather of every part's key count, one of every part's keys
-        # (string keys: one more, for their longest length), one all-reduce
-        # of every part's rows: the same three collectives for any number of
-        # Variables.
-        parts = len(lookups)
-        counts = tf.stack([tf.shape(p.keys, out_type=tf.int32)[0] for p in lookups])
+    def _unions(self, key_lists):
+        """Per list of `key_lists` (one per part, this worker's keys): (the
+        union of every worker's keys of that part, the same on every
+        worker; positions [n] of this worker's keys in it).  One all-gather
+        of every part's key count, one of every part's keys (string keys:
+        one more, for their longest length)."""
+        parts = len(key_lists)
+        counts = tf.stack([tf.shape(k, out_type=tf.int32)[0] for k in key_lists])
         sizes = tf.reshape(self._gather(counts), [self.size, parts])  # [worker, part]
-        packed, unpack = pack_keys([p.keys for p in lookups], lambda n: tf.reduce_max(self._gather(n[None])))
+        packed, unpack = pack_keys(key_lists, lambda n: tf.reduce_max(self._gather(n[None])))
         # Worker after worker, each worker's parts in order.
         every = self._gather_blocks(packed, tf.reduce_sum(sizes, axis=1))
         if parts == 1:
@@ -104,11 +105,19 @@ class GatherExchange(exchange.Exchange):
         else:
             part_of = tf.repeat(tf.tile(tf.range(parts), [self.size]), tf.reshape(sizes, [-1]))
             pieces = tf.dynamic_partition(every, part_of, parts)
-        out, rows = [], []
-        for i, p in enumerate(lookups):
+        out = []
+        for i in range(parts):
             union, index = tf.unique(unpack(pieces[i], i), out_idx=tf.int32)
             start = tf.reduce_sum(sizes[: self.rank, i])
-            mine = index[start : start + counts[i]]
+            out.append((union, index[start : start + counts[i]]))
+        return out
+
+    def rows_for_many(self, lookups):
+        # The unions of the parts' keys (_unions), then one all-reduce of
+        # every part's rows: the same three collectives for any number of
+        # Variables.
+        out, rows = [], []
+        for (union, mine), p in zip(self._unions([p.keys for p in lookups]), lookups):
             # The owner reads its keys; zeros elsewhere make the sum exact.
             owned = tf.cast(tf.where(self.owned(union, p.placement))[:, 0], tf.int32)
             found = p.find(tf.gather(union, owned))
@@ -117,6 +126,13 @@ class GatherExchange(exchange.Exchange):
             rows.append(tf.ensure_shape(tf.scatter_nd(owned[:, None], found, shape), [None, found.shape[-1]]))
             out.append((union, mine))
         return [(union, summed, mine) for (union, mine), summed in zip(out, self._sum_many(rows))]
+
+    def sum_everywhere(self, parts):
+        # The unions of the parts' keys (_unions), then one all-reduce of
+        # every part's values placed in its union.
+        unions = self._unions([keys for keys, _ in parts])
+        sums = [tf.math.unsorted_segment_sum(v, mine, tf.size(union)) for (union, mine), (_, v) in zip(unions, parts)]
+        return [(union, summed) for (union, _), summed in zip(unions, self._sum_many(sums))]
 
     def owner_gradients_many(self, parts):
         # Each buffer is the same on every worker: sum per buffer row, then

@@ -136,14 +136,20 @@ class PeriodicSync(tf.keras.callbacks.Callback):
 
     Args:
       every: steps between syncs (int >= 1).
+      replicate: each worker keeps a copy of the tables sharded over the
+        workers between syncs, so lookups run no collective between syncs
+        (tfde.semi_sync.PeriodicSync's replicate).
 
     Example:
       >>> model.fit(data, callbacks=[tfde.keras.callbacks.PeriodicSync(every=16)])
     """
 
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, replicate: bool = False) -> None:
         super().__init__()
         self.every = semi_sync.every_arg(every)
+        if not isinstance(replicate, bool):
+            raise ConfigError(f"replicate must be True or False, got {replicate!r}")
+        self.replicate = replicate
         self.sync = None
         self._last = 0
 
@@ -166,7 +172,9 @@ class PeriodicSync(tf.keras.callbacks.Callback):
         def dense():
             return model.weights
 
-        self.sync = semi_sync.PeriodicSync(self.every, variables, model.optimizer, dense, strategy=strategy)
+        self.sync = semi_sync.PeriodicSync(
+            self.every, variables, model.optimizer, dense, strategy=strategy, replicate=self.replicate
+        )
         self.sync._from_keras_callback = True
         self.sync.start()
         self._last = int(model.optimizer.iterations.numpy())

@@ -341,12 +341,15 @@ class CheckpointManager:
         if path is None:
             return None
         _refuse_unbuilt_keras3_models(self._objects)
-        semi_sync.discard_local()  # local rows of semi-synchronous training would hide the restored ones
-        host = exchange.host_collectives(self._strategy)
-        sources = read_manifest(path, (0, 1) if host is None else (host.rank, host.size))
-        registered.check_optimizers(self._checkpoint, sources[0][0], sources[0][1])
-        registered.restore_sources(sources[0][0], sources)
-        self._checkpoint.read(sources[0][0]).expect_partial()
+        # Local rows of semi-synchronous training would hide the restored
+        # ones; copies of the stores are made anew after the restore.
+        with semi_sync.rewriting_stores():
+            semi_sync.discard_local()
+            host = exchange.host_collectives(self._strategy)
+            sources = read_manifest(path, (0, 1) if host is None else (host.rank, host.size))
+            registered.check_optimizers(self._checkpoint, sources[0][0], sources[0][1])
+            registered.restore_sources(sources[0][0], sources)
+            self._checkpoint.read(sources[0][0]).expect_partial()
         return path
 
 
