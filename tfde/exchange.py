@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
+from tfde import step_kernels
 from tfde.errors import ConfigError
 from tfde.hashing import route_low, stable_hash
 from tfde.local import local_variable
@@ -131,16 +132,27 @@ class Exchange:
     # Whether its collectives may run inside tf.data functions (reads there
     # happen on tf.data's threads, beside the step; tfde.Variable._reader).
     collectives_in_tf_data = False
-    # Whether a training step's lookups read each Variable's store as it is
-    # (False: tfde/semi_sync.py's local steps read their own tables), so a
-    # process training alone may read it with the fused lookup.
-    reads_store = True
 
     @property
     def collective(self) -> bool:
         """Whether this exchange involves other workers (every worker must
         then take part in every call, with zeros where it has nothing)."""
         return self.size > 1
+
+    def fused_table(self, variable):
+        """The table a training step's lookup of `variable` may read with
+        the fused lookup (tfde/step_kernels.py: one native op deduplicates
+        and finds), or None: the lookup goes through rows_for_many.  A
+        process training alone reads the store; engines read through their
+        exchange."""
+        if self.collective or not step_kernels.lookup_qualifies(variable):
+            return None
+        return variable._tables[0]
+
+    def looked_up(self, variable, keys) -> list:
+        """Ops to run with a fused lookup of `variable`'s distinct `keys`
+        (fused_table): none here; semi-synchronous training records them."""
+        return []
 
     def rows_for(self, unique_keys, find, placement: Placement = ROWS):
         """unique_keys [u]: this worker's deduplicated keys; find(keys) ->

@@ -39,11 +39,13 @@ A sync that fails detaches the local tables without pushing again (no
 delta is ever counted twice); that worker's unsynced deltas are lost.
 
 With replicate=True (tables sharded over the workers of a job), each worker
-keeps a copy of every such table as its base, made at start and kept equal
-to the stores: at a sync every worker gets the merged changes of every key
-and computes the new values as the owner does (_Entry.sync_copy).  A lookup
-between syncs then reads the copy and runs no collective; a restriction or
-a restore makes the copies anew (rewriting_stores).
+keeps two copies of every such table, made at start: its base (the store
+as of the last sync) and its working copy (with its changes since), which
+training reads and writes as it would a store.  At a sync every worker gets
+the merged changes of every key and computes the new values as the owner
+does (_Entry.sync_copy), so both copies equal the stores again.  A lookup
+between syncs then runs no collective; a restriction or a restore makes the
+copies anew (rewriting_stores).
 
 Per-key state besides rows and optimizer slots merges by its own rule
 (_Entry): a frequency policy's counts are summed like the rows,
@@ -66,6 +68,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tfde import exchange as _exchange
+from tfde import step_kernels
 from tfde.errors import ConfigError
 from tfde.initializers import InitSpec
 from tfde.local import local_variable
@@ -108,16 +111,16 @@ class LocalTables:
     rows, which training reads and writes: Variable._train_tables) and
     `base` (the rows those keys had in the store when first fetched after
     the last sync).  Both hold exactly the keys fetched since the last sync
-    (with a copy, `base` holds the whole store: see `copy`).  Written by a
+    (with copies, both hold the whole store: see `copy`).  Written by a
     training step's lookup (fill) and apply, and emptied by the sync; one
     step at a time."""
 
     def __init__(self, var, copy: bool = False):
         creator = CuckooTableCreator()
         self.var = var
-        # A copy of the Variable's whole store (PeriodicSync(replicate=True)):
-        # `base` then holds every stored key as of the last sync, and is
-        # kept across syncs; `rows` the keys looked up since the last sync.
+        # Copies of the Variable's whole store (PeriodicSync(replicate=True)),
+        # kept across syncs: `base` holds every stored key as of the last
+        # sync, `rows` the same with this worker's changes since.
         self.copy = copy
         self.rows = creator.create(f"{var.name}/local_rows", var.key_dtype, var.value_dtype, var.dim)
         self.base = creator.create(f"{var.name}/local_base", var.key_dtype, var.value_dtype, var.dim)
@@ -146,11 +149,16 @@ class _Entry:
         self.counts = counts
         every = self.variables + ([counts] if counts is not None else [])
         self.merges = [m for _, m in parts] + ([_SUM] if counts is not None else [])
-        # With a copy (PeriodicSync(replicate=True)), the base tables hold
-        # the whole store as of the last sync: no lookup between syncs
-        # fetches, and a key they lack is not stored (its initial values).
+        # With copies (PeriodicSync(replicate=True)), the tables hold the
+        # whole store (LocalTables.copy): no lookup between syncs fetches,
+        # a key they lack is not stored (its initial values), and `touched`
+        # holds the keys looked up since the last sync (those a sync pushes
+        # if they changed).
         self.copy = copy
         self.tables = [LocalTables(v, copy) for v in every]
+        self.touched = None
+        if copy:
+            self.touched = CuckooTableCreator().create(f"{var.name}/local_touched", var.key_dtype, tf.float32, 1)
         self.widths = [v.dim for v in every]
         # With an admission filter, a key the store does not hold stays out
         # of the local rows until the filter admits it (the optimizer asks
@@ -172,21 +180,24 @@ class _Entry:
         return tf.concat(columns, 1)
 
     def missing(self, keys):
-        """The keys of `keys` [u] not fetched (not looked up, with a copy)
-        since the last sync."""
-        _, hit = (self.tables[0].rows if self.copy else self.tables[0].base).find(keys, _ZERO)
+        """The keys of `keys` [u] not fetched since the last sync."""
+        _, hit = self.tables[0].base.find(keys, _ZERO)
         return tf.boolean_mask(keys, tf.logical_not(hit))
+
+    def touch(self, keys) -> tf.Operation:
+        """With copies: records that `keys` were looked up since the last sync."""
+        return self.touched.insert(keys, tf.zeros([tf.size(keys), 1]))
+
+    def read_copy(self, keys):
+        """With copies: the rows a lookup of `keys` reads (the working copy;
+        a key it lacks is not stored, and reads its initial row)."""
+        return self.tables[0].rows.find(keys, self.var._missing(keys, for_update=True))[0]
 
     def _base(self, t, keys, dtype):
         """The base rows of `keys` in LocalTables `t`, as `dtype`: with a copy,
         a key it lacks reads its initial values, as from the store."""
         default = t.var._missing(keys, for_update=True) if self.copy else _ZERO
         return tf.cast(t.base.find(keys, default)[0], dtype)
-
-    def read_copy(self, keys):
-        """read_store from this worker's copy of the store (no admission
-        filter: PeriodicSync refuses one with copies)."""
-        return tf.concat([self._base(t, keys, self.compute_dtype()) for t in self.tables], 1)
 
     def fill(self, keys, packed) -> list:
         """Stores the fetched rows and state `packed` (read_store) of `keys`
@@ -198,9 +209,6 @@ class _Entry:
         ops = []
         for t, part in zip(self.tables, tf.split(packed, self.widths, axis=1)):
             part = tf.cast(part, t.var.value_dtype)
-            if self.copy:  # the base holds them already (or their initial values)
-                ops.append(t.rows.insert(keys, part))
-                continue
             ops.append(t.base.insert(keys, part))
             if self.admits and t.var is not self.counts:
                 ops.append(t.rows.insert(tf.boolean_mask(keys, stored), tf.boolean_mask(part, stored)))
@@ -231,8 +239,8 @@ class _Entry:
         compute = self.compute_dtype()
         # Every fetched key (the base holds them all; the local tables hold
         # a key not admitted yet in its counts only: elsewhere it is its
-        # base).  With a copy, the keys looked up since the last sync.
-        keys, _, _ = (self.tables[0].rows if self.copy else self.tables[0].base).export_chunk(0, _ALL_ROWS)
+        # base).  With copies, the keys looked up since the last sync.
+        keys, _, _ = (self.touched if self.copy else self.tables[0].base).export_chunk(0, _ALL_ROWS)
         local, deltas = [], []
         for t in self.tables:
             base = self._base(t, keys, compute)
@@ -349,7 +357,7 @@ class _Entry:
         computes the keys' new row and state from its copy, which holds
         the store as of the last sync, in the same way; the owner (`owned`
         [u] bool) writes its keys to the store in one write, as add_owned
-        does, and every worker writes them all to its copy."""
+        does, and every worker writes them all to both copies."""
         count = summed[:, -1:]
         widths = [w * size if m == _MAX else w for w, m in zip(self.widths, self.merges)]
         new = []
@@ -369,7 +377,7 @@ class _Entry:
             {s: tf.boolean_mask(n, owned) for s, n in zip(self.slots, new[1:])},
             store=True,
         )
-        ops += [t.base.insert(keys, n) for t, n in zip(self.tables, new)]
+        ops += [op for t, n in zip(self.tables, new) for op in (t.base.insert(keys, n), t.rows.insert(keys, n))]
         if self.var.changes is not None:
             with tf.control_dependencies(ops):
                 ops.append(self.var.changes.after_sync(mine))
@@ -382,22 +390,24 @@ class _Entry:
         return keys, self.read_store(keys)
 
     def load_copy(self, keys, packed) -> list:
-        """Makes `keys` with their read_store values `packed` the copy."""
+        """Makes `keys` with their read_store values `packed` both copies."""
         ops = []
         for t, part in zip(self.tables, tf.split(packed, self.widths, axis=1)):
-            with tf.control_dependencies([t.base.clear(), t.rows.clear()]):
-                ops.append(t.base.insert(keys, tf.cast(part, t.var.value_dtype)))
+            part = tf.cast(part, t.var.value_dtype)
+            with tf.control_dependencies([t.base.clear(), t.rows.clear(), self.touched.clear()]):
+                ops += [t.base.insert(keys, part), t.rows.insert(keys, part)]
         return ops
 
     def clear(self) -> list:
-        """Empties the local tables (with a copy: the local rows only)."""
-        return [op for t in self.tables for op in ([t.rows.clear()] + ([] if self.copy else [t.base.clear()]))]
+        """Empties the local tables (with copies: forgets the keys looked up;
+        the sync has made both copies equal to the stores)."""
+        if self.copy:
+            return [self.touched.clear()]
+        return [op for t in self.tables for op in (t.rows.clear(), t.base.clear())]
 
     def dirty(self) -> bool:
         """Whether a local table holds anything since the last sync (eager)."""
-        return any(int(t.rows.size()) > 0 for t in self.tables) or (
-            not self.copy and int(self.tables[0].base.size()) > 0
-        )
+        return int((self.touched if self.copy else self.tables[0].base).size()) > 0
 
 
 class LocalSteps(_exchange.Exchange):
@@ -405,8 +415,6 @@ class LocalSteps(_exchange.Exchange):
     steps are on): lookups read the LocalTables, fetching keys they do not
     hold yet through `inner` (the engine's exchange), and gradients stay on
     this worker."""
-
-    reads_store = False
 
     def __init__(self, sync: "PeriodicSync", inner: _exchange.Exchange):
         self._sync, self._inner = sync, inner
@@ -416,18 +424,34 @@ class LocalSteps(_exchange.Exchange):
     def collective(self) -> bool:
         return False
 
-    def rows_for_many(self, lookups):
-        entries = [self._sync._entry(p.variable) for p in lookups]
-        stale = tf.debugging.assert_equal(
+    def fused_table(self, variable):
+        # With copies: the working copy, read as a store is (one native op
+        # for the step's lookups of every such Variable).
+        e = self._sync._entry(variable)
+        return e.tables[0].rows if e.copy and step_kernels.lookup_qualifies(variable) else None
+
+    def looked_up(self, variable, keys) -> list:
+        return [self._stale_check(), self._sync._entry(variable).touch(keys)]
+
+    def _stale_check(self):
+        return tf.debugging.assert_equal(
             _generation().read_value(),
             tf.constant(self._sync._generation, tf.int64),
             message="this training step was traced during the local steps of semi-synchronous training that "
             "have stopped since (PeriodicSync.stop); trace it again (Keras: model.make_train_function(force=True), "
             "which the PeriodicSync callback does)",
         )
-        with tf.control_dependencies([stale]):
+
+    def rows_for_many(self, lookups):
+        entries = [self._sync._entry(p.variable) for p in lookups]
+        with tf.control_dependencies([self._stale_check()]):
             lookups = [_exchange.Lookup(tf.identity(p.keys), p.find, p.placement, p.variable) for p in lookups]
-        misses = [e.missing(p.keys) for e, p in zip(entries, lookups)]
+        out = [None] * len(lookups)
+        for i, (e, p) in enumerate(zip(entries, lookups)):
+            if e.copy:  # this worker's copies: no collective
+                with tf.control_dependencies([e.touch(p.keys)]):
+                    out[i] = (p.keys, e.read_copy(p.keys), None)
+        misses = [None if e.copy else e.missing(p.keys) for e, p in zip(entries, lookups)]
         fetched = [None] * len(lookups)
         through = [
             i
@@ -435,9 +459,7 @@ class LocalSteps(_exchange.Exchange):
             if self._inner.collective and not e.var.shared_between_workers and not e.copy
         ]
         for i, e in enumerate(entries):
-            if e.copy:  # this worker's copy of the store: no collective
-                fetched[i] = e.read_copy(misses[i])
-            elif i not in through:  # a shared store (or training alone): read it here
+            if out[i] is None and i not in through:  # a shared store (or training alone): read it here
                 fetched[i] = e.read_store(misses[i])
         if through:
             found = self._inner.rows_for_many(
@@ -445,10 +467,10 @@ class LocalSteps(_exchange.Exchange):
             )
             for i, (_, rows, mine) in zip(through, found):
                 fetched[i] = rows if mine is None else tf.gather(rows, mine)
-        out = []
-        for e, p, miss, rows in zip(entries, lookups, misses, fetched):
-            with tf.control_dependencies(e.fill(miss, rows)):
-                out.append((p.keys, e.read_local(p.keys), None))
+        for i, (e, p, miss, rows) in enumerate(zip(entries, lookups, misses, fetched)):
+            if out[i] is None:
+                with tf.control_dependencies(e.fill(miss, rows)):
+                    out[i] = (p.keys, e.read_local(p.keys), None)
         return out
 
     def gradient_scale(self, optimizer) -> float:
@@ -501,9 +523,9 @@ class PeriodicSync:
       replicate: in a job, each worker keeps a copy of every table whose
         keys are sharded over the workers (not of a store they share, such
         as Redis) between syncs, updated at each sync: lookups between
-        syncs then run no collective at all.  Memory: every such table,
-        with its optimizer slots and policy state, on every worker.  Not
-        with admission filters.  docs/semi-sync.md, "Copies of sharded
+        syncs then run no collective at all.  Memory: two copies of every
+        such table, with its optimizer slots and policy state, on every
+        worker.  Not with admission filters.  docs/semi-sync.md, "Copies of sharded
         tables".
 
     Not thread-safe: one training loop drives it.

@@ -87,12 +87,14 @@ def lookup_qualifies(var) -> bool:
     )
 
 
-def fused_lookup(parts: list) -> list:
+def fused_lookup(parts: list, tables: Optional[list] = None) -> list:
     """The rows of a training step's lookups: parts [(Variable, flat ids
-    [n])] of Variables that lookup_qualifies; returns per part (distinct ids
-    [u] in order of first appearance, positions [n] int32 of the ids among
-    them, their rows [u, dim]), one TfdeTableLookup op per key and value
-    dtype."""
+    [n])] of Variables that lookup_qualifies, read from `tables` (one
+    in-process cuckoo table per part; default: each Variable's store);
+    returns per part (distinct ids [u] in order of first appearance,
+    positions [n] int32 of the ids among them, their rows [u, dim]), one
+    TfdeTableLookup op per key and value dtype."""
+    tables = [var._tables[0] for var, _ in parts] if tables is None else tables
     groups = {}
     for i, (var, _) in enumerate(parts):
         groups.setdefault((var.key_dtype, var.value_dtype), []).append(i)
@@ -102,7 +104,7 @@ def fused_lookup(parts: list) -> list:
         chosen = [parts[i] for i in indices]
         attrs = [var._missing(ids, for_update=False).attrs() for var, ids in chosen]
         result = ops.tfde_table_lookup(
-            tables=[var._tables[0].resource_handle for var, _ in chosen],
+            tables=[tables[i].resource_handle for i in indices],
             keys=[ids for _, ids in chosen],
             dims=[var.dim for var, _ in chosen],
             Tvalue=chosen[0][0].value_dtype,

@@ -41,7 +41,7 @@ from tfde.changes import ChangeLog
 from tfde.errors import ConfigError, ShapeError
 from tfde.hashing import shard_index
 from tfde.local import local_variable
-from tfde.step_kernels import fused_lookup, lookup_qualifies
+from tfde.step_kernels import fused_lookup
 from tfde.tables.base import (
     DEFAULT_EXPORT_CHUNK_ROWS,
     Table,
@@ -819,16 +819,16 @@ def trainable_lookups_of(parts: Sequence[tuple]) -> list:
     that deduplicates and finds (tfde/step_kernels.py, `lookup`); the others
     are deduplicated here and go through the exchange together."""
     ex = _exchange.active()
-    fused = (
-        [] if ex.collective or not ex.reads_store else [i for i, (var, _) in enumerate(parts) if lookup_qualifies(var)]
-    )
+    tables = [ex.fused_table(var) for var, _ in parts]
+    fused = [i for i, t in enumerate(tables) if t is not None]
     out = [None] * len(parts)
     if fused:
-        looked = fused_lookup([parts[i] for i in fused])
-        rows = _through_buffers(
-            [(parts[i][0], positions) for i, (_, positions, _) in zip(fused, looked)],
-            [(unique, found, None) for unique, _, found in looked],
-        )
+        looked = fused_lookup([parts[i] for i in fused], [tables[i] for i in fused])
+        found = []
+        for i, (unique, _, rows) in zip(fused, looked):
+            with tf.control_dependencies(ex.looked_up(parts[i][0], unique)):
+                found.append((unique, tf.identity(rows), None))
+        rows = _through_buffers([(parts[i][0], positions) for i, (_, positions, _) in zip(fused, looked)], found)
         for i, r in zip(fused, rows):
             out[i] = r
     rest = [i for i in range(len(parts)) if out[i] is None]
