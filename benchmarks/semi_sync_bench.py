@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--interactions", type=int, default=200_000, help="two-tower data")
     p.add_argument("--examples", type=int, default=200_000, help="DLRM data")
     p.add_argument("--epochs", type=int, default=3, help="two-tower epochs")
-    p.add_argument("--dlrm-epochs", type=int, default=2)
+    p.add_argument("--dlrm-epochs", type=int, default=3)
     p.add_argument("--port", type=int, default=6379)
     p.add_argument("--plot", help="also draw the trade-off curves into this PNG (needs matplotlib)")
     p.add_argument("--quick", action="store_true", help="two-tower, small data, 1 epoch, k in {1, 4}: ~2 minutes")
