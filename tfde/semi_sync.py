@@ -332,11 +332,7 @@ class _Entry:
                 continue
             part = part if held is None else tf.boolean_mask(part, held)
             stored = tf.cast(v._find(rows_of, in_step=True, initial=True)[0], part.dtype)
-            if merge == _MAX:
-                latest = tf.reduce_max(tf.reshape(part, [-1, size, v.dim]), axis=1)
-                new.append(tf.cast(tf.maximum(stored, latest), v.value_dtype))
-            else:
-                new.append(tf.cast(stored + part, v.value_dtype))
+            new.append(tf.cast(_merged(stored, part, merge, size), v.value_dtype))
         if not in_place:
             ops += self.var._write_step(rows_of, new[0], dict(zip(self.slots, new[1:])), store=True)
         if self.counts is not None:
@@ -362,14 +358,9 @@ class _Entry:
         widths = [w * size if m == _MAX else w for w, m in zip(self.widths, self.merges)]
         new = []
         for t, merge, part in zip(self.tables, self.merges, tf.split(summed[:, :-1], widths, axis=1)):
-            stored = self._base(t, keys, part.dtype)
             if merge == _MEAN:
                 part = tf.math.divide_no_nan(part, count)
-            if merge == _MAX:
-                value = tf.maximum(stored, tf.reduce_max(tf.reshape(part, [-1, size, t.var.dim]), axis=1))
-            else:
-                value = stored + part
-            new.append(tf.cast(value, t.var.value_dtype))
+            new.append(tf.cast(_merged(self._base(t, keys, part.dtype), part, merge, size), t.var.value_dtype))
         mine = tf.boolean_mask(keys, owned)
         ops = self.var._write_step(
             mine,
@@ -408,6 +399,16 @@ class _Entry:
     def dirty(self) -> bool:
         """Whether a local table holds anything since the last sync (eager)."""
         return int((self.touched if self.copy else self.tables[0].base).size()) > 0
+
+
+def _merged(stored, part, merge: str, size: int):
+    """A key's new value from its `stored` one [k, d] and the workers'
+    merged change `part`: the sum's or the mean's [k, d] added, or, for
+    "max", the largest of the stored value and the `size` workers' blocks
+    [k, size * d] (_Entry.payload)."""
+    if merge == _MAX:
+        return tf.maximum(stored, tf.reduce_max(tf.reshape(part, [-1, size, stored.shape[-1]]), axis=1))
+    return stored + part
 
 
 class LocalSteps(_exchange.Exchange):
