@@ -11,6 +11,9 @@ median epoch, so the first epoch's tracing is left out when there are 3),
 payload KiB and ms per step inside tfde's collectives (the dense weights'
 average at a sync included; waiting for the other worker too), and held-out
 quality: recall@100 (two-tower) or AUC (DLRM), with the ratio to k = 1.
+Beside them, the ceiling of any k on this host: two `tfde train` processes
+alone at once, each on half the data (what one worker trains), with no
+exchange at all ("two processes alone").
 
   python -m benchmarks.semi_sync_bench                 # 22 runs, about 30 minutes on 2 cores
   python -m benchmarks.semi_sync_bench --quick         # small data, k in {1, 4}: what CI runs
@@ -83,6 +86,46 @@ def run(
     return out
 
 
+def alone(model: str, size: int, epochs: int, users=20_000, items=5_000) -> dict:
+    """Two single-process trainings at once, each on half the data: what
+    the two workers do between syncs with no exchange and no sync at all,
+    on the same cores.  Their examples/s, summed, bound any k's."""
+    flags, _, _ = MODELS[model]
+    cmd = [sys.executable, "-m", "tfde", "train", "--keras", "tf-keras", "--epochs", str(epochs)]
+    cmd += [f.format(size=size // 2, users=users, items=items) for f in flags]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent, env=env)
+        for _ in range(2)
+    ]
+    rates = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=3600)
+        figures = parse(out)
+        if proc.returncode not in (0, 1) or "examples_per_s" not in figures:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{out[-2000:]}\n{err[-3000:]}")
+        rates.append(figures["examples_per_s"])
+    return {"examples_per_s": sum(rates), "each": rates}
+
+
+def exact_run(results: list, model: str):
+    """The model's exact training (sharded cuckoo, k = 1) among `results`, or None."""
+    return next((r for r in results if r["model"] == model and r["layout"] == "cuckoo" and r["every"] == 1), None)
+
+
+def ceiling_lines(results: list, bounds: dict) -> list:
+    """One line per model: the two processes alone against exact training."""
+    lines = []
+    for model, b in bounds.items():
+        exact = exact_run(results, model)
+        ratio = f" = {b['examples_per_s'] / exact['examples_per_s']:.2f}x sharded cuckoo k=1" if exact else ""
+        lines.append(
+            f"{model}: two processes alone, no exchange (the ceiling of any k here): "
+            f"{b['examples_per_s']:,.0f} examples/s{ratio}"
+        )
+    return lines
+
+
 def table(results: list) -> str:
     lines = [
         f"{'model':<10}{'layout':<15}{'k':>4}{'examples/s':>12}{'× k=1':>7}{'KiB/step':>10}{'exchange ms':>12}"
@@ -102,8 +145,9 @@ def table(results: list) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list, path: str, info: dict) -> None:
-    """Examples/s and quality against k, per model and layout (a PNG)."""
+def plot(results: list, path: str, info: dict, bounds=None) -> None:
+    """Examples/s and quality against k, per model and layout (a PNG); with
+    `bounds`, each model's two processes alone as a dashed line."""
     try:
         import matplotlib
 
@@ -122,6 +166,12 @@ def plot(results: list, path: str, info: dict) -> None:
         label = f"{model}, {layout}"
         axes[0].plot(ks, [r["examples_per_s"] / base["examples_per_s"] for r in runs], marker=marker, label=label)
         axes[1].plot(ks, [r[key] / base[key] for r in runs], marker=marker, label=f"{label} ({name})")
+    for model, b in (bounds or {}).items():
+        exact = exact_run(results, model)
+        if exact:
+            ceiling = b["examples_per_s"] / exact["examples_per_s"]
+            axes[0].axhline(ceiling, linestyle="--", color="grey", linewidth=1)
+            axes[0].annotate(f"{model}: two processes alone", (1, ceiling), fontsize=7, color="grey", va="bottom")
     ticks = sorted({r["every"] for r in results})
     for ax, title in zip(axes, ["examples/s relative to k = 1 (exact)", "held-out quality relative to k = 1"]):
         ax.set_xscale("log", base=2)
@@ -148,13 +198,15 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=6379)
     p.add_argument("--plot", help="also draw the trade-off curves into this PNG (needs matplotlib)")
     p.add_argument("--quick", action="store_true", help="two-tower, small data, 1 epoch, k in {1, 4}: ~2 minutes")
+    p.add_argument("--no-alone", action="store_true", help="leave out the two processes alone (the ceiling)")
     p.add_argument("--from", dest="source", help="print (and --plot) the results JSON of an earlier run; runs nothing")
     args = p.parse_args(argv)
     if args.source:
         saved = json.loads(Path(args.source).read_text())
         print(table(saved["runs"]))
+        print("\n".join(ceiling_lines(saved["runs"], saved.get("alone", {}))))
         if args.plot:
-            plot(saved["runs"], args.plot, saved["machine"])
+            plot(saved["runs"], args.plot, saved["machine"], saved.get("alone"))
             print(f"plot: {args.plot}")
         return 0
     if args.quick:
@@ -165,18 +217,21 @@ def main(argv=None) -> int:
     from benchmarks.table_bench import machine, write_results
 
     info = machine()
-    results = []
+    results, bounds = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             size = args.interactions if model == "two-tower" else args.examples
+            epochs = args.epochs if model == "two-tower" else args.dlrm_epochs
+            vocab = (2_000, 1_000) if args.quick else (20_000, 5_000)
+            if not args.no_alone:
+                bounds[model] = alone(model, size, epochs, *vocab)
+                print(f"  {model}, two processes alone: {bounds[model]}", flush=True)
             for layout in args.layouts.split(","):
                 for every in sorted(everies):
-                    epochs = args.epochs if model == "two-tower" else args.dlrm_epochs
-                    vocab = (2_000, 1_000) if args.quick else (20_000, 5_000)
-                    exact = [x for x in results if x["model"] == model and x["layout"] == "cuckoo" and x["every"] == 1]
+                    exact = exact_run(results, model)
                     if layout == "cuckoo-copies" and every == 1 and exact:
                         # The same program: replicate changes nothing at k = 1.
-                        r = {k: v for k, v in exact[0].items() if k not in ("model", "layout", "every")}
+                        r = {k: v for k, v in exact.items() if k not in ("model", "layout", "every")}
                     else:
                         r = run(model, layout, every, size, epochs, args.port, tmp, *vocab)
                     results.append({"model": model, "layout": layout, "every": every, **r})
@@ -188,10 +243,11 @@ def main(argv=None) -> int:
         f"DLRM: {args.examples:,} examples, {args.dlrm_epochs} epoch(s), 4096 per worker and step"
     )
     print(table(results))
-    path = write_results("semi-sync", {"machine": info, "args": vars(args), "runs": results})
+    print("\n".join(ceiling_lines(results, bounds)))
+    path = write_results("semi-sync", {"machine": info, "args": vars(args), "runs": results, "alone": bounds})
     print(f"\nwritten: {path.relative_to(HERE.parent)}")
     if args.plot:
-        plot(results, args.plot, info)
+        plot(results, args.plot, info, bounds)
         print(f"plot: {args.plot}")
     return 0
 

@@ -99,6 +99,8 @@ def test_semi_sync_bench_quick_and_again_from_its_results():
     for layout in ("cuckoo", "cuckoo-copies", "redis"):
         for k in (1, 4):
             assert re.search(rf"two-tower {layout:<9}\s+{k}\s+[\d,]+", out), (layout, k, out[-2000:])
+    # The ceiling of any k: two processes alone on the same cores, beside exact training.
+    assert re.search(r"two-tower: two processes alone, no exchange .*: [\d,]+ examples/s = [\d.]+x", out), out[-2000:]
     again = _bench("benchmarks.semi_sync_bench", "--from", str(_written(out)))
     assert again.strip().splitlines()[-6:] == out.split("written:")[0].strip().splitlines()[-6:]
 
