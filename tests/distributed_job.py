@@ -74,6 +74,9 @@ import tensorflow as tf  # noqa: E402
 
 import tfde  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.dlrm_side import collective_ops  # noqa: E402
+
 rng = np.random.default_rng(7)
 # Global batch sizes: T of G; the custom loop adds a short, unevenly split
 # last batch (worker 0 gets 3 more examples than worker 1).
@@ -266,8 +269,10 @@ def restrict_callbacks():
     return out
 
 
+HISTORY = []  # model.fit's History (engine "fit" with several workers)
 PUSHED = []  # [(table name, keys, deltas)] of every sync of this worker (semi-synchronous training)
 KERNELS = []  # the dense layer's kernel before each sync (its length: the syncs recorded so far)
+LOCAL_STEP = []  # model.fit's traced step during local steps: its collective ops (tf.distribute's, Horovod's)
 MODEL_DENSE = []  # the model's dense layer
 
 
@@ -302,6 +307,7 @@ class PushRecorder(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):  # the PeriodicSync callback syncs at each epoch's end
         if self.sync_of() is not None:
             record_pending(self.sync_of())
+            LOCAL_STEP.append(collective_ops(self.model))
 
     def on_train_end(self, logs=None):  # its last sync, if the epoch's end left anything
         if self.sync_of() is not None and self.sync_of()._dirty():
@@ -335,6 +341,11 @@ def dataset(ctx=None):
         .repeat(cfg.get("repeat", 1))
         .map(lambda s, n: (features_of(s, n), y[s : s + n]))
     )
+    if cfg["engine"] == "fit" and N > 1 and cfg.get("sync_every", 1) > 1:
+        # Endless, so that tf.distribute's iterator does not ask every worker
+        # at each step whether it still has data (a collective in the step
+        # that local steps would keep); fit takes the same T batches.
+        ds = ds.repeat()
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     return ds.with_options(options)
@@ -405,7 +416,9 @@ def train_and_save():
             compile_model(model, opt)
         if N > 1 and os.environ.get("TF_USE_LEGACY_KERAS") == "1":
             data = tf.keras.utils.experimental.DatasetCreator(lambda ctx: dataset(ctx))
-            model.fit(data, epochs=1, steps_per_epoch=T, verbose=0, callbacks=restrict_callbacks())
+            HISTORY.append(model.fit(data, epochs=1, steps_per_epoch=T, verbose=0, callbacks=restrict_callbacks()))
+            # The PeriodicSync callback gave the model back its own step and log reduction.
+            assert "train_step" not in model.__dict__ and model.distribute_reduction_method == "auto"
         elif N > 1:  # Keras 3 has no DatasetCreator
             model.fit(
                 strategy.distribute_datasets_from_function(dataset),
@@ -527,6 +540,11 @@ def train_and_save():
             if counts is not None and cfg.get("sync_every"):  # a CounterFilter's counts (the semi-sync checks)
                 out[f"{layer.name}/admission/keys"], out[f"{layer.name}/admission/rows"] = dump(counts)
     out["dense/kernel"], out["dense/bias"] = (np.asarray(w) for w in model.dense.get_weights())
+    if HISTORY and cfg.get("sync_every", 1) > 1:  # the epochs' logs: the same on every worker, as exact training's
+        for name, values in HISTORY[-1].history.items():
+            out[f"dense/logs/{name}"] = np.array(values)
+    if LOCAL_STEP and cfg.get("sync_every", 1) > 1:
+        out["dense/local-step-collectives"] = np.array(LOCAL_STEP)
     if eager_read is not None:  # compared between workers like the dense weights (distributed_check.load)
         out["dense/eager_ids"], out["dense/eager_rows"] = eager_ids, eager_read
     if tfdata_read is not None:

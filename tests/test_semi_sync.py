@@ -287,6 +287,9 @@ def test_copies_of_sharded_tables_store_what_fetching_stores(tmp_path, tag, engi
     check_copies_store_what_fetching_stores(tmp_path, tag, engine)
 
 
+COPIES_RUNS = ("copies", "fetch")
+
+
 def check_copies_store_what_fetching_stores(tmp_path, tag, engine):
     """replicate=True (no collective between syncs) pushes and stores what
     the default (each key fetched from its owner at its first lookup after
@@ -296,6 +299,33 @@ def check_copies_store_what_fetching_stores(tmp_path, tag, engine):
     copies, _ = check_every_k_pushes(tmp_path / "copies", tag, engine, "cuckoo", COPIES)
     fetched, _ = check_every_k_pushes(tmp_path / "fetch", tag, engine, "cuckoo", {**COPIES, "replicate": False})
     _same_stores(copies, fetched)
+    if engine == "fit":
+        # tf-keras's step under MultiWorkerMirroredStrategy reads its metrics and
+        # reduces its logs across the workers (three collectives in this model's
+        # step); local steps report each worker's own: with copies the traced
+        # step waits for no other worker.  Fetching keeps the lookups' exchange.
+        local = {run: np.load(str(tmp_path / run / "out2") + "-w0.npz") for run in COPIES_RUNS}
+        local = {run: out["dense/local-step-collectives"] for run, out in local.items()}
+        assert local["copies"].tolist() == [0], local
+        assert min(local["fetch"]) > 0, local
+
+
+if LEGACY:  # tfrs needs tf-keras: defined in the tf-keras run of scripts/test.sh only
+
+    @pytest.mark.keras
+    def test_a_tfrs_model_s_local_steps_wait_for_no_worker_and_its_epoch_logs_are_every_worker_s(tmp_path, tag):
+        """tfrs.Model's own train_step reports its metrics and its last
+        step's losses.  Local steps with copies report each worker's own
+        (no collective in the traced step); the epoch's logs are exact
+        training's: every metric read over all workers and every value
+        reduced across them, so every worker sees the same (a callback that
+        stops or saves by them decides alike everywhere)."""
+        cfg = {"model": "tfrs", "sync_every": 4, "steps": 10, "replicate": True}
+        tables, dense = run_job(tmp_path, 2, "fit", "adam", "cuckoo", tag, cfg)  # load(): equal between workers
+        assert dense["dense/local-step-collectives"].tolist() == [0], dense["dense/local-step-collectives"]
+        logs = {name[len("dense/logs/") :] for name in dense if name.startswith("dense/logs/")}
+        assert {"loss", "total_loss"} <= logs, logs
+        assert len(tables["item_emb"]) > 0
 
 
 def _same_stores(one, two):
