@@ -281,6 +281,16 @@ class Engine:
         not use the engine."""
         return None
 
+    def local_fit_logs(self, model, strategy):
+        """Semi-synchronous model.fit (docs/semi-sync.md, "Logs between
+        syncs"): where the engine's traced step would read `model`'s
+        metrics or logs across the workers, makes its next traced step
+        report its own worker's instead, and returns an object with
+        exact(logs) (what exact training reports at an epoch's end, in
+        place of this worker's last step's logs) and remove() (the model's
+        own step again); None where there is nothing to do."""
+        return None
+
 
 _installed: Optional[Exchange] = None
 _engines: list = []
@@ -382,6 +392,15 @@ def check_optimizer(optimizer) -> None:
 def wrapping_hints() -> list:
     """The engines' `wrapping_hint`s that apply to this program."""
     return [hint for hint in (engine.wrapping_hint() for engine in _engines) if hint]
+
+
+def local_fit_logs(model, strategy=None):
+    """The first engine's Engine.local_fit_logs for `model` that is not None, or None."""
+    for engine in _engines:
+        logs = engine.local_fit_logs(model, strategy)
+        if logs is not None:
+            return logs
+    return None
 
 
 class HostCollectives:

@@ -7,6 +7,7 @@ interface of tfde/exchange.py; the engines plug in from here:
   tfde.distributed.horovod        Horovod: tfde_hvd.init() instead of hvd.init()
   tfde.distributed.alltoall       the all-to-all routing Horovod uses
   tfde.distributed.keys           string keys on number-only collectives
+  tfde.distributed.fit_logs       tf-keras fit's logs of local steps (semi-synchronous training)
   tfde.distributed.launch         start N local workers (TF_CONFIG or horovodrun)
 
 Importing this package registers tf.distribute and the Horovod guard (which

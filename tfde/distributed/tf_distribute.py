@@ -28,6 +28,7 @@ import os
 import tensorflow as tf
 
 from tfde import exchange
+from tfde.distributed.fit_logs import FitLogs
 from tfde.distributed.keys import carrier_dtype, pack_keys, strings_from_codes
 from tfde.errors import ConfigError
 from tfde.hashing import stable_hash
@@ -355,6 +356,9 @@ class TfDistributeEngine(exchange.Engine):
     def workers(self, strategy):
         strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else strategy
         return 1 if strategy is None else strategy.num_replicas_in_sync
+
+    def local_fit_logs(self, model, strategy):
+        return FitLogs.install(model, strategy)
 
     def host_collectives(self, strategy):
         if tf.distribute.has_strategy():

@@ -4,13 +4,11 @@ PeriodicSync (semi-synchronous training)."""
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from typing import Any, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tfde import semi_sync
+from tfde import exchange, semi_sync
 from tfde.errors import ConfigError
 from tfde.policy import AutoRestrictor
 from tfde.saving import CheckpointManager
@@ -134,9 +132,10 @@ class PeriodicSync(tf.keras.callbacks.Callback):
     function is traced again when training begins and ends, so a later fit
     without the callback is exact again.  With steps_per_execution > 1 a
     sync comes after the first batch end at least `every` steps after the
-    last one.  Under MultiWorkerMirroredStrategy each step's logs are its
-    worker's own and each epoch's logs exact training's (docs/semi-sync.md,
-    "Logs between syncs"): put this callback before those that read them.
+    last one.  Where the engine's step would read metrics across the
+    workers, each step's logs are its worker's own and each epoch's logs
+    exact training's (docs/semi-sync.md, "Logs between syncs"): put this
+    callback before those that read them.
 
     Args:
       every: steps between syncs (int >= 1).
@@ -166,8 +165,9 @@ class PeriodicSync(tf.keras.callbacks.Callback):
             # Keras does not end a fit that raised: what it left on goes,
             # without a sync (its deltas are lost, as the failure's).
             stale.abort()
+            if getattr(stale, "_fit_logs", None) is not None:
+                stale._fit_logs.remove()  # what the fit that raised left on the model
         model = self.model
-        _LocalLogs.remove(model)  # what a fit that raised left on the model
         variables = [v for v in model_variables(model) if v.trainable]
         if not variables:
             raise ConfigError("PeriodicSync found no trainable tfde Variable in the model; it has nothing to sync")
@@ -184,7 +184,7 @@ class PeriodicSync(tf.keras.callbacks.Callback):
         self.sync._from_keras_callback = True
         self.sync.start()
         self._last = int(model.optimizer.iterations.numpy())
-        self._logs = _LocalLogs.install(model, strategy)
+        self._logs = self.sync._fit_logs = exchange.local_fit_logs(model, strategy)
         model.make_train_function(force=True)  # traced again, with local steps
 
     def _count(self) -> int:
@@ -227,134 +227,7 @@ class PeriodicSync(tf.keras.callbacks.Callback):
             self.sync.stop()
         finally:
             self.sync = None
+            if self._logs is not None:
+                self._logs.remove()
             self._logs = None
-            _LocalLogs.remove(self.model)
             self.model.train_function = None  # the next fit traces an exact step
-
-
-class _LocalLogs:
-    """The logs of local steps under tf-keras model.fit with
-    MultiWorkerMirroredStrategy on several workers (docs/semi-sync.md,
-    "Logs between syncs").  tf-keras reads each metric across the workers
-    in every step (a collective per metric variable) and reduces the step's
-    logs across them (one more): a local step would still wait for every
-    worker.  While PeriodicSync runs, each step reports its own worker's
-    logs (no collective), and each epoch's end, a sync point, puts back
-    the logs exact training reports: every metric read across the workers
-    and every value reduced the model's way (distribute_reduction_method)."""
-
-    _ATTRIBUTE = "_tfde_exact_step"
-
-    def __init__(self, model, strategy, method) -> None:
-        self.model, self.strategy, self.method = model, strategy, method
-        self.step_keys: set = set()  # what the step reports (not what a callback added to the logs)
-        self._exact = None
-
-    @classmethod
-    def install(cls, model, strategy) -> Optional["_LocalLogs"]:
-        """Makes `model`'s next traced step report local logs; None where
-        its steps hold no such collective (Horovod, one worker, Keras 3)."""
-        tf_keras = sys.modules.get("tf_keras")
-        if tf_keras is None or not isinstance(model, tf_keras.Model):
-            return None
-        if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or strategy.num_replicas_in_sync < 2:
-            return None
-        original_step = model.__dict__.get("train_step")
-        method = model.distribute_reduction_method
-        setattr(model, cls._ATTRIBUTE, (original_step, model._distribute_reduction_method))
-        step = model.train_step
-        logs = cls(model, strategy, method)
-
-        def local_train_step(data):
-            with _local_metric_reads():
-                outputs = step(data)
-            if isinstance(outputs, dict):
-                logs.step_keys = set(outputs)
-            return outputs
-
-        model.train_step = local_train_step
-        model.distribute_reduction_method = "first"  # this worker's logs, not a collective over them
-        return logs
-
-    @classmethod
-    def remove(cls, model) -> None:
-        saved = model.__dict__.pop(cls._ATTRIBUTE, None)
-        if saved is None:
-            return
-        original_step, method = saved
-        if original_step is None:
-            model.__dict__.pop("train_step", None)
-        else:
-            model.train_step = original_step
-        model._distribute_reduction_method = method
-
-    def exact(self, logs: dict) -> dict:
-        """What exact training reports at an epoch's end in place of `logs`
-        (this worker's last step).  Where the step reports the model's
-        metrics and nothing else, tf-keras itself puts back their results
-        read over all workers (nothing to do here); where it reports more (a
-        train_step of the model's own, as tfrs.Model's), it keeps the last
-        step's logs: every metric's result over all workers and every other
-        value, reduced across the workers the model's way."""
-        if set(self.model.get_metrics_result()) == self.step_keys:
-            return {}
-        local = {
-            name: tf.constant(value, tf.float32)
-            for name, value in logs.items()
-            if name in self.step_keys
-            and (isinstance(value, (int, float)) or (hasattr(value, "shape") and not value.shape))
-        }
-        if self._exact is None:
-            from tf_keras.src.engine.training import reduce_per_replica
-
-            model, strategy, method = self.model, self.strategy, self.method
-
-            def on_replica(values):
-                out = dict(values)
-                for metric in model.metrics:
-                    result = metric.result()  # read across the workers (tf-keras's result wrapper)
-                    out.update(result if isinstance(result, dict) else {metric.name: result})
-                return {name: tf.cast(value, tf.float32) for name, value in out.items() if name in values}
-
-            @tf.function
-            def exact(values):
-                return reduce_per_replica(strategy.run(on_replica, args=(values,)), strategy, method)
-
-            self._exact = exact
-        return {name: float(value) for name, value in self._exact(local).items()}
-
-
-class _Forward:
-    """`target` with some attributes replaced."""
-
-    def __init__(self, target, **replaced) -> None:
-        self._target, self._replaced = target, replaced
-
-    def __getattr__(self, name: str):
-        return self._replaced[name] if name in self._replaced else getattr(self._target, name)
-
-
-@contextlib.contextmanager
-def _local_metric_reads():
-    """tf-keras metric results read from this worker's variables alone,
-    while a step is traced.  tf-keras's result wrapper reads a metric's
-    sync-on-read variables across all replicas (a collective): in
-    TensorFlow's sync-on-read context where the strategy needs no merge
-    call, in a merge call (cross-replica context) where it does, as
-    MultiWorkerMirroredStrategy's step does.  A replica that reads them
-    outside both reads its own.  Only the wrapper's module sees the
-    change, for the time of the trace (the optimizer's own merge calls
-    stay as they are)."""
-    from tf_keras.src.utils import metrics_utils
-
-    tf_module = metrics_utils.tf
-    distribute = _Forward(
-        tf_module.__internal__.distribute,
-        strategy_supports_no_merge_call=lambda: True,
-        variable_sync_on_read_context=contextlib.nullcontext,
-    )
-    metrics_utils.tf = _Forward(tf_module, __internal__=_Forward(tf_module.__internal__, distribute=distribute))
-    try:
-        yield
-    finally:
-        metrics_utils.tf = tf_module
