@@ -155,7 +155,6 @@ class PeriodicSync(tf.keras.callbacks.Callback):
         self.replicate = replicate
         self.sync = None
         self._last = 0
-        self._logs = None
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         if self.every == 1:
@@ -165,7 +164,7 @@ class PeriodicSync(tf.keras.callbacks.Callback):
             # Keras does not end a fit that raised: what it left on goes,
             # without a sync (its deltas are lost, as the failure's).
             stale.abort()
-            if getattr(stale, "_fit_logs", None) is not None:
+            if stale._fit_logs is not None:
                 stale._fit_logs.remove()  # what the fit that raised left on the model
         model = self.model
         variables = [v for v in model_variables(model) if v.trainable]
@@ -182,9 +181,10 @@ class PeriodicSync(tf.keras.callbacks.Callback):
             self.every, variables, model.optimizer, dense, strategy=strategy, replicate=self.replicate
         )
         self.sync._from_keras_callback = True
+        self.sync._fit_logs = None  # the engine's FitLogs, once the sync has started
         self.sync.start()
         self._last = int(model.optimizer.iterations.numpy())
-        self._logs = self.sync._fit_logs = exchange.local_fit_logs(model, strategy)
+        self.sync._fit_logs = exchange.local_fit_logs(model, strategy)
         model.make_train_function(force=True)  # traced again, with local steps
 
     def _count(self) -> int:
@@ -208,9 +208,9 @@ class PeriodicSync(tf.keras.callbacks.Callback):
         if self.sync is not None:
             self._last = self._count()
             self.sync.sync()
-            if self._logs is not None and logs is not None:
+            if self.sync._fit_logs is not None and logs is not None:
                 # In place: the callbacks after this one and the History see them.
-                logs.update(self._logs.exact(logs))
+                logs.update(self.sync._fit_logs.exact(logs))
 
     def on_test_begin(self, logs: Optional[dict] = None) -> None:
         # Validation during fit reads the stores: sync first (every worker
@@ -226,8 +226,7 @@ class PeriodicSync(tf.keras.callbacks.Callback):
             self._count()
             self.sync.stop()
         finally:
+            if self.sync._fit_logs is not None:
+                self.sync._fit_logs.remove()
             self.sync = None
-            if self._logs is not None:
-                self._logs.remove()
-            self._logs = None
             self.model.train_function = None  # the next fit traces an exact step
