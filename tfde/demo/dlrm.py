@@ -133,9 +133,10 @@ def train(
             loss=tf.keras.losses.BinaryCrossentropy(from_logits=True),
         )
     rate = ExamplesPerSecond(batch_size * engine.size, verbose=bool(verbose))
-    callbacks = [rate] + engine.callbacks()
+    callbacks = engine.callbacks()
     if sync_every > 1:
         callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every, replicate=sync_replicate))
+    callbacks.append(rate)  # last: an epoch's time includes its end's sync
     if engine.size == 1:
         ds = dataset(data.train_dense, data.train_cats, data.train_labels, batch_size, seed, names=features)
         steps = None

@@ -130,7 +130,9 @@ class TableSizes(tf.keras.callbacks.Callback):
 
 
 class ExamplesPerSecond(tf.keras.callbacks.Callback):
-    """Adds examples/s of each epoch to the logs and prints it."""
+    """Adds examples/s of each epoch to the logs and prints it.  Put it after
+    every other callback: an epoch's time then includes the work they do at
+    its end (PeriodicSync's sync, RestrictCallback's restriction)."""
 
     def __init__(self, batch_size: int, verbose: bool = True):
         super().__init__()
@@ -218,7 +220,7 @@ def train(
         )
     rate = ExamplesPerSecond(batch_size * engine.size, verbose=bool(verbose))
     sizes = TableSizes("table rows" if engine.size == 1 else "table rows of worker 0's shard")
-    callbacks = [rate, sizes] + engine.callbacks() if verbose else [rate] + engine.callbacks()
+    callbacks = [sizes] + engine.callbacks() if verbose else engine.callbacks()
     if max_rows:
         # Trim to 90% when a table passes max_rows, so restriction (a scan of
         # the table) runs every few batches rather than after every batch.
@@ -227,6 +229,7 @@ def train(
         )
     if sync_every > 1:
         callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every, replicate=sync_replicate))
+    callbacks.append(rate)  # last: an epoch's time includes its end's sync and restriction
     if engine.size == 1:
         ds, steps = in_batch_dataset(data.train_users, data.train_items, batch_size, seed), None
     else:  # every worker takes the same number of steps through its share, repeated
