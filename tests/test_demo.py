@@ -1,8 +1,8 @@
 """The demo (the README's first command; docs/demo.md): data, model, CLI."""
 
 import csv
-import time
 import re
+import time
 
 import numpy as np
 import pytest
