@@ -7,7 +7,8 @@ from its owner, and with copies of the tables on every worker: "cuckoo-copies",
 Each run is `tfde train --workers 2 --sync-every K --exchange-stats` (tf-keras
 model.fit) on the same synthetic data for the same number of epochs, so every
 k sees the same examples.  Reported per run: examples/s (all workers; the
-median epoch, so the first epoch's tracing is left out when there are 3),
+median epoch, so the first epoch's tracing is left out when there are 3;
+an epoch's time includes the sync at its end),
 payload KiB and ms per step inside tfde's collectives (the dense weights'
 average at a sync included; waiting for the other worker too), and held-out
 quality: recall@100 (two-tower) or AUC (DLRM), with the ratio to k = 1.
