@@ -198,13 +198,14 @@ def test_the_demo_s_examples_per_second_count_the_sync_at_each_epoch_s_end(model
         run(self)
 
     monkeypatch.setattr(semi_sync.PeriodicSync, "sync", slow_sync)
+    batch = 256
     if model == "two-tower":
         data = demo_data.synthetic(3_000, 300, 200, seed=5)
-        batch, result = 256, train(data, epochs=3, batch_size=256, embedding_dim=8, verbose=0, k=10, sync_every=1000)
+        result = train(data, epochs=3, batch_size=batch, embedding_dim=8, verbose=0, k=10, sync_every=1000)
         examples = (len(data.train_users) // batch + 1) * batch
     else:
         data = clicks.synthetic(3_000, seed=5)
-        batch, result = 256, dlrm.train(data, epochs=3, batch_size=256, embedding_dim=8, verbose=0, sync_every=1000)
+        result = dlrm.train(data, epochs=3, batch_size=batch, embedding_dim=8, verbose=0, sync_every=1000)
         examples = (data.num_train // batch + 1) * batch
     # At most one epoch's examples per (sync + steps) seconds.
     assert result["examples_per_s"] < examples / slow, result

@@ -132,7 +132,7 @@ class TableSizes(tf.keras.callbacks.Callback):
 class ExamplesPerSecond(tf.keras.callbacks.Callback):
     """Adds examples/s of each epoch to the logs and prints it.  Put it after
     every other callback: an epoch's time then includes the work they do at
-    its end (PeriodicSync's sync, RestrictCallback's restriction)."""
+    its end (PeriodicSync's sync)."""
 
     def __init__(self, batch_size: int, verbose: bool = True):
         super().__init__()
@@ -229,7 +229,7 @@ def train(
         )
     if sync_every > 1:
         callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every, replicate=sync_replicate))
-    callbacks.append(rate)  # last: an epoch's time includes its end's sync and restriction
+    callbacks.append(rate)  # last: an epoch's time includes its end's sync
     if engine.size == 1:
         ds, steps = in_batch_dataset(data.train_users, data.train_items, batch_size, seed), None
     else:  # every worker takes the same number of steps through its share, repeated
