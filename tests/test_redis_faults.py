@@ -743,6 +743,43 @@ def test_a_step_that_failed_part_way_and_is_run_again_applies_once(tag, at):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("second", [0.6, 0.8, 0.95])
+def test_a_step_that_failed_twice_and_is_run_a_third_time_applies_once(tag, second):
+    """Step 4 fails after its user Variable's write, is run again and fails
+    again at a later point `second` (after writing the user Variable once
+    more), then runs a third time: the end state equals an uninterrupted
+    run's.  The second attempt must keep the undo entries the first made
+    (the rows from before the step), not save the rows the first attempt
+    wrote over them, or the third attempt would read those."""
+    batches = _batches()
+    step, state = _two_tables(6379, f"{tag}-reference")
+    for users, items in batches:
+        step(users, items)
+    want = state()
+    with FaultProxy(6379) as proxy:
+        step, state = _two_tables(proxy.port, tag)
+        for users, items in batches[:3]:
+            step(users, items)
+        before = proxy.requests
+        step(*batches[3])
+        per_step = proxy.requests - before
+        proxy.cut(at=int(0.8 * per_step))
+        with pytest.raises(tf.errors.UnavailableError):
+            step(*batches[4])
+        proxy.heal()
+        proxy.clear()
+        proxy.cut(at=int(second * per_step))
+        with pytest.raises(tf.errors.UnavailableError):
+            step(*batches[4])
+        proxy.heal()
+        proxy.clear()
+        for users, items in batches[4:]:
+            step(users, items)
+        got = state()
+    for n, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=f"state {n}")
+
+
 def test_a_step_run_again_is_applied_once_while_another_process_writes_the_same_buckets(tag):
     """The shared-store layout: two processes write their own keys of the
     same buckets.  Here the first fails step 4 part-way (after its user

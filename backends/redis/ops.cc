@@ -678,7 +678,10 @@ TFDE_REGISTER_REDIS(tstring);
 // bucket (a transaction may not span slots), on a single server (standalone
 // or the sentinels' master) one for the whole call, so a failed call there
 // writes nothing at all.  Each HSET holds one table's rows of at most `chunk`
-// keys of that bucket.
+// keys of that bucket.  A training step's write (step >= 0) first reads, in
+// one pipeline, the bucket's step stamps and the rows it overwrites, and its
+// transaction also stamps the buckets and keeps those rows as undo entries
+// (StepKey): native commands only, no script.
 //
 // Failures: a connection lost before EXEC makes the server discard the
 // transaction; one lost after it leaves it applied; either way the client's
@@ -728,7 +731,6 @@ class RedisInsertGroupOp : public RedisOpBase {
       other_step_keys_.push_back(StepKey(bucket));
       other_undo_keys_.push_back(UndoKey(bucket));
     }
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("step_script", &step_script_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -757,93 +759,103 @@ class RedisInsertGroupOp : public RedisOpBase {
     }
     int64_t step;
     OP_REQUIRES_OK(ctx, ReadStep(ctx, 2 + others.size(), &step));
-    OP_REQUIRES(
-        ctx, step < 0 || !step_script_.empty(),
-        errors::InvalidArgument("a training step's grouped insert (step ", step, ") needs the step_script attr"));
     Tensor* written = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &written));
     written->scalar<int64_t>()() = n;
     if (n == 0) return;
     const Routed keyed = Route<TK>(keys);
-    // A training step's writes stamp and keep undo entries (StepKey, UndoKey)
-    // through step_script: per bucket one EVAL of all tables, whose keys are
-    // (bucket, undo, stamp, count) per table and whose arguments are the
-    // stamp, the key count, the stamp's TTL, the fields, then each table's
-    // rows.
-    const std::string stamp = step >= 0 ? StepStamp(step) : "";
-    const std::string num_keys = std::to_string(4 * tables);
-    const std::string ttl = std::to_string(kStepKeysTtlS);
-    std::deque<std::string> sizes;  // the key counts of the EVALs (the commands hold views)
-
-    // commands: per transaction MULTI, its HSETs, EXEC.  role[c] is -1 for a
-    // MULTI, -2 for an EXEC, else the index into queued[tx_of[c]] of the HSET.
     const size_t nb = buckets_.size();
+    const std::string what = "grouped insert into " + std::to_string(tables) + " tables";
+    // A training step's write (step >= 0) keeps undo entries (StepKey says
+    // why): first, in one round trip, each (table, bucket)'s step stamp and
+    // the rows the step overwrites; then the transaction saves those rows in
+    // the undo hash beside writing the new ones.  At t * nb + b per (table,
+    // bucket): the rows before the step in by_bucket[b]'s order ("" for an
+    // absent key), which of them an earlier attempt of this step already
+    // saved, and whether an earlier attempt stamped the bucket.
+    const std::string stamp = step >= 0 ? StepStamp(step) : "";
+    const std::string ttl = std::to_string(kStepKeysTtlS);
+    std::vector<std::vector<std::string>> old(tables * nb);
+    std::vector<std::vector<char>> kept(tables * nb);
+    std::vector<char> again(tables * nb, 0);
+    if (step >= 0) {
+      try {
+        ReadBeforeStep(keyed, tables, stamp, &old, &kept, &again);
+      } catch (const std::exception& e) {
+        Fail(ctx, what.c_str(), e);  // nothing was written
+        return;
+      }
+    }
+
+    // commands: per transaction MULTI, its commands, EXEC.  role[c] is -1
+    // for a MULTI, -2 for an EXEC, else the index into queued[tx_of[c]] of
+    // the command.
     std::vector<resp::Command> commands;
     std::vector<size_t> tx_of;
     std::vector<int64_t> role;
-    // per transaction: (table, bucket) of each HSET, or of each INCR of a
-    // write count (table + tables: one INCR per table and bucket, after its
-    // HSETs)
-    std::vector<std::vector<std::pair<size_t, size_t>>> queued;
+    enum Kind { kRows, kCount, kUndo };  // an HSET of rows; an INCR of a write count; the undo bookkeeping
+    struct Queued {
+      Kind kind;
+      size_t table, bucket, command;
+    };
+    std::vector<std::vector<Queued>> queued;  // per transaction, the commands between MULTI and EXEC
     auto add = [&](resp::Command c, int64_t r) {
       commands.push_back(std::move(c));
       tx_of.push_back(queued.size() - 1);
       role.push_back(r);
     };
+    auto queue = [&](resp::Command c, Kind kind, size_t t, size_t b) {
+      queued.back().push_back(Queued{kind, t, b, commands.size()});
+      add(std::move(c), static_cast<int64_t>(queued.back().size() - 1));
+    };
     for (size_t b = 0; b < nb; ++b) {
-      if (keyed.by_bucket[b].empty()) continue;
+      const std::vector<int64_t>& at = keyed.by_bucket[b];
+      if (at.empty()) continue;
       if (per_bucket_ || queued.empty()) {
         queued.emplace_back();
         add(resp::Command{buckets_[b], {"MULTI"}}, -1);
       }
-      if (step >= 0) {
-        resp::Command c{buckets_[b], {"EVAL", step_script_, num_keys}};
-        for (size_t t = 0; t < tables; ++t) {
-          c.args.push_back(BucketOf(t, b));
-          c.args.push_back(UndoKeyOf(t, b));
-          c.args.push_back(StepKeyOf(t, b));
-          c.args.push_back(CountKeyOf(t, b));
-        }
-        sizes.push_back(std::to_string(keyed.by_bucket[b].size()));
-        c.args.push_back(stamp);
-        c.args.push_back(sizes.back());
-        c.args.push_back(ttl);
-        for (int64_t i : keyed.by_bucket[b]) c.args.push_back(keyed.fields[i]);
-        for (size_t t = 0; t < tables; ++t)
-          for (int64_t i : keyed.by_bucket[b]) c.args.emplace_back(rows[t] + i * row_bytes[t], row_bytes[t]);
-        add(std::move(c), static_cast<int64_t>(queued.back().size()));
-        queued.back().emplace_back(2 * tables, b);
-        if (per_bucket_) add(resp::Command{buckets_[b], {"EXEC"}}, -2);
-        continue;
-      }
       for (size_t t = 0; t < tables; ++t) {
-        const std::string& bucket = BucketOf(t, b);
-        for (size_t s = 0; s < keyed.by_bucket[b].size(); s += chunk_) {
-          resp::Command c{bucket, {"HSET", bucket}};
-          for (size_t j = s; j < std::min(s + chunk_, keyed.by_bucket[b].size()); ++j) {
-            const int64_t i = keyed.by_bucket[b][j];
-            c.args.push_back(keyed.fields[i]);
-            c.args.emplace_back(rows[t] + i * row_bytes[t], row_bytes[t]);
-          }
-          add(std::move(c), static_cast<int64_t>(queued.back().size()));
-          queued.back().emplace_back(t, b);
+        const size_t tb = t * nb + b;
+        const std::string& undo = UndoKeyOf(t, b);
+        if (step >= 0 && !again[tb]) {  // a new step: the last one's undo entries go
+          queue(resp::Command{undo, {"UNLINK", undo}}, kUndo, t, b);
+          queue(resp::Command{StepKeyOf(t, b), {"SET", StepKeyOf(t, b), stamp, "EX", ttl}}, kUndo, t, b);
         }
-        add(resp::Command{CountKeyOf(t, b), {"INCR", CountKeyOf(t, b)}}, static_cast<int64_t>(queued.back().size()));
-        queued.back().emplace_back(tables + t, b);
+        for (size_t s = 0; step >= 0 && s < at.size(); s += chunk_) {
+          resp::Command c{undo, {"HSET", undo}};
+          for (size_t j = s; j < std::min(s + chunk_, at.size()); ++j) {
+            if (kept[tb][j]) continue;
+            c.args.push_back(keyed.fields[at[j]]);
+            c.args.push_back(old[tb][j]);
+          }
+          if (c.args.size() > 2) queue(std::move(c), kUndo, t, b);
+        }
+        const std::string& bucket = BucketOf(t, b);
+        for (size_t s = 0; s < at.size(); s += chunk_) {
+          resp::Command c{bucket, {"HSET", bucket}};
+          for (size_t j = s; j < std::min(s + chunk_, at.size()); ++j) {
+            c.args.push_back(keyed.fields[at[j]]);
+            c.args.emplace_back(rows[t] + at[j] * row_bytes[t], row_bytes[t]);
+          }
+          queue(std::move(c), kRows, t, b);
+        }
+        if (step >= 0) queue(resp::Command{undo, {"EXPIRE", undo, ttl}}, kUndo, t, b);
+        queue(resp::Command{CountKeyOf(t, b), {"INCR", CountKeyOf(t, b)}}, kCount, t, b);
       }
       if (per_bucket_) add(resp::Command{buckets_[b], {"EXEC"}}, -2);
     }
     if (!per_bucket_) add(resp::Command{commands.front().key, {"EXEC"}}, -2);
 
     // Replies are judged after the pipeline: a retry delivers a transaction
-    // again from its MULTI, which resets its verdict (the last delivery counts).
+    // again from its MULTI, which resets its verdict (the last delivery
+    // counts).  A retry resends the same undo entries, read before the
+    // first delivery, so a transaction applied twice equals once.
     std::vector<std::string> problem(queued.size());
     Counts counts(this);
-    for (size_t tx = 0; tx < queued.size(); ++tx)
-      for (const auto& [t, b] : queued[tx]) {
-        if (t >= tables && t < 2 * tables) counts.Before(CountKeyOf(t - tables, b), TableName(t - tables));
-        for (size_t u = 0; t == 2 * tables && u < tables; ++u) counts.Before(CountKeyOf(u, b), TableName(u));
-      }
+    for (const auto& tx : queued)
+      for (const Queued& q : tx)
+        if (q.kind == kCount) counts.Before(CountKeyOf(q.table, q.bucket), TableName(q.table));
     auto judge = [&](size_t c, const resp::Reply& r) {
       const size_t tx = tx_of[c];
       if (role[c] == -1) {
@@ -860,41 +872,28 @@ class RedisInsertGroupOp : public RedisOpBase {
                       std::to_string(queued[tx].size()) + " commands); the transaction's outcome is unknown";
       } else {
         for (size_t j = 0; j < r.elements.size(); ++j) {
-          const auto& [t, b] = queued[tx][j];
-          if (t == 2 * tables && r.elements[j].type != resp::Reply::kError) {  // the step script: a count per table
-            const resp::Reply& got = r.elements[j];
-            if (got.type != resp::Reply::kArray || got.elements.size() != tables)
-              throw resp::Error("a malformed reply of the step script for bucket " + std::to_string(b), true);
-            for (size_t u = 0; u < tables; ++u) counts.Got(CountKeyOf(u, b), got.elements[u]);
+          const Queued& q = queued[tx][j];
+          const resp::Reply& got = r.elements[j];
+          if (got.type != resp::Reply::kError) {
+            if (q.kind == kCount) counts.Got(CountKeyOf(q.table, q.bucket), got);
             continue;
           }
-          if (t == 2 * tables) {
-            problem[tx] = "the step script of bucket " + std::to_string(b) + " (table '" + table_name_ +
-                          "' and the tables written with it) failed: " + r.elements[j].str +
-                          "; a script that fails stops where it is, so keys of bucket " + std::to_string(b) +
-                          " may be written to some of the tables and not to others";
-            break;
-          }
-          if (t >= tables && r.elements[j].type != resp::Reply::kError) {
-            counts.Got(CountKeyOf(t - tables, b), r.elements[j]);
-            continue;
-          }
-          if (r.elements[j].type != resp::Reply::kError) continue;
-          if (t >= tables) {  // the rows were written; their count was not
-            problem[tx] = "INCR " + CountKeyOf(t - tables, b) + " (the write count of table '" + TableName(t - tables) +
-                          "', bucket " + std::to_string(b) + ") failed inside the transaction: " + r.elements[j].str +
+          const std::string where = " (table '" + TableName(q.table) + "', bucket " + std::to_string(q.bucket) + ")";
+          const std::string command =
+              std::string(commands[q.command].args[0]) + " " + std::string(commands[q.command].key);
+          if (q.kind == kCount) {  // the rows were written; their count was not
+            problem[tx] = command + where + " failed inside the transaction: " + got.str +
                           "; the transaction's other commands ran";
-            break;
+          } else {
+            problem[tx] = command + where + " failed inside the transaction: " + got.str +
+                          "; its other writes were applied, so keys of bucket " + std::to_string(q.bucket) +
+                          " may be written to some of the tables and not to others" +
+                          (q.kind == kUndo ? ", and a run of this step again may not read what it read first" : "");
           }
-          problem[tx] = "HSET " + BucketOf(t, b) + " (table '" + TableName(t) + "', bucket " + std::to_string(b) +
-                        ") failed inside the transaction: " + r.elements[j].str +
-                        "; its other writes were applied, so keys of bucket " + std::to_string(b) +
-                        " may be written to some of the tables and not to others";
           break;
         }
       }
     };
-    const std::string what = "grouped insert into " + std::to_string(tables) + " tables";
     try {
       client_->Write(commands, judge);
     } catch (const resp::Error& e) {
@@ -919,6 +918,69 @@ class RedisInsertGroupOp : public RedisOpBase {
   }
 
  private:
+  // The first round trip of a training step's write (see Compute): per
+  // written (table, bucket) at t * nb + b, `again` (its stamp is this
+  // step's: an earlier attempt of the step wrote it), `old` (each key's row
+  // as the bucket holds it, "" where absent) and, where `again`, `kept`
+  // (the key has an undo entry of that attempt, which stands: it holds the
+  // row from before the step).  Reads only; throws what the client throws.
+  void ReadBeforeStep(const Routed& keyed, size_t tables, const std::string& stamp,
+                      std::vector<std::vector<std::string>>* old, std::vector<std::vector<char>>* kept,
+                      std::vector<char>* again) const {
+    const size_t nb = buckets_.size();
+    constexpr size_t kStamp = static_cast<size_t>(-1);
+    std::vector<resp::Command> reads;
+    std::vector<std::pair<size_t, size_t>> at;  // per command: (t * nb + b, its first key in by_bucket[b] or kStamp)
+    auto hmget = [&](std::vector<resp::Command>* out, const std::string& hash, size_t tb, size_t b) {
+      const std::vector<int64_t>& keys = keyed.by_bucket[b];
+      for (size_t s = 0; s < keys.size(); s += chunk_) {
+        resp::Command c{hash, {"HMGET", hash}};
+        for (size_t j = s; j < std::min(s + chunk_, keys.size()); ++j) c.args.push_back(keyed.fields[keys[j]]);
+        out->push_back(std::move(c));
+        at.emplace_back(tb, s);
+      }
+    };
+    for (size_t b = 0; b < nb; ++b) {
+      if (keyed.by_bucket[b].empty()) continue;
+      for (size_t t = 0; t < tables; ++t) {
+        const size_t tb = t * nb + b;
+        (*old)[tb].assign(keyed.by_bucket[b].size(), std::string());
+        (*kept)[tb].assign(keyed.by_bucket[b].size(), 0);
+        reads.push_back(resp::Command{StepKeyOf(t, b), {"GET", StepKeyOf(t, b)}});
+        at.emplace_back(tb, kStamp);
+        hmget(&reads, BucketOf(t, b), tb, b);
+      }
+    }
+    auto take = [&](const std::vector<resp::Command>& sent, size_t first, size_t c, const resp::Reply& r,
+                    bool undo) {
+      const auto [tb, s] = at[first + c];
+      const size_t count = std::min(chunk_, keyed.by_bucket[tb % nb].size() - s);
+      if (r.type != resp::Reply::kArray || r.elements.size() != count)
+        throw resp::Error("a malformed HMGET reply for " + std::string(sent[c].key), true);
+      for (size_t j = 0; j < count; ++j) {
+        const resp::Reply& v = r.elements[j];
+        if (undo)
+          (*kept)[tb][s + j] = v.type == resp::Reply::kBulk;
+        else
+          (*old)[tb][s + j] = v.type == resp::Reply::kBulk ? v.str : std::string();
+      }
+    };
+    client_->Pipeline(reads, [&](size_t c, const resp::Reply& r) {
+      if (at[c].second == kStamp) {
+        (*again)[at[c].first] = r.type == resp::Reply::kBulk && r.str == stamp;
+        return;
+      }
+      take(reads, 0, c, r, false);
+    });
+    // Rare: the step is run again after an attempt that wrote some buckets.
+    std::vector<resp::Command> undo;
+    const size_t first = at.size();
+    for (size_t tb = 0; tb < again->size(); ++tb)
+      if ((*again)[tb]) hmget(&undo, UndoKeyOf(tb / nb, tb % nb), tb, tb % nb);
+    if (!undo.empty())
+      client_->Pipeline(undo, [&](size_t c, const resp::Reply& r) { take(undo, first, c, r, true); });
+  }
+
   const std::string& BucketOf(size_t table, size_t bucket) const {
     return table == 0 ? buckets_[bucket] : other_buckets_[(table - 1) * buckets_.size() + bucket];
   }
@@ -940,7 +1002,6 @@ class RedisInsertGroupOp : public RedisOpBase {
   std::vector<std::string> other_count_keys_;  // WriteCountKey of other_buckets_, in their order
   std::vector<std::string> other_step_keys_;   // StepKey of other_buckets_
   std::vector<std::string> other_undo_keys_;   // UndoKey of other_buckets_
-  std::string step_script_;                    // tfde/tables/redis_table.py _STEP_LUA
   bool per_bucket_ = true;                     // cluster: one transaction per bucket (slot)
 };
 
@@ -951,7 +1012,6 @@ REGISTER_OP("TfdeRedisInsertGroup")
     .Input("step: int64")
     .Output("written: int64")
     .TFDE_REDIS_ATTRS.Attr("Tothers: list({float, double, half, bfloat16}) >= 0")
-    .Attr("step_script: string = ''")
     .Attr("other_dims: list(int)")
     .Attr("other_buckets: list(string)")
     .Attr("other_names: list(string)")

@@ -178,48 +178,6 @@ return (#ARGV - 3) / 3
 # which keeps the count, so a chunk retried after a lost reply removes nothing
 # more and answers the same count; ARGV: marker TTL in seconds, then the
 # fields.  A field given twice in a chunk counts once.
-# A training step's write of one bucket of a Variable's tables (TfdeRedisInsertGroup
-# with a step; backends/redis/ops.cc StepKey says why).  KEYS: per table its
-# bucket, this process's undo hash and step stamp, and the write count; ARGV:
-# the stamp, the key count n, the stamp's TTL in seconds, the n fields, then
-# each table's n rows.  A stamp other than this step's starts the undo hash
-# afresh; the same step written again keeps the entries its first attempt
-# made (the rows as they were before the step; "" for a key that was not
-# stored).  Returns each table's write count.
-_STEP_LUA = r"""
-local stamp, n, ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local counts = {}
-for t = 0, #KEYS / 4 - 1 do
-  local bucket, undo, mark, count = KEYS[4 * t + 1], KEYS[4 * t + 2], KEYS[4 * t + 3], KEYS[4 * t + 4]
-  local again = redis.call('GET', mark) == stamp
-  if not again then
-    redis.call('DEL', undo)
-    redis.call('SET', mark, stamp, 'EX', ttl)
-  end
-  for s = 1, n, 512 do
-    local e = math.min(s + 511, n)
-    local fields = {}
-    for i = s, e do fields[#fields + 1] = ARGV[3 + i] end
-    local old = redis.call('HMGET', bucket, unpack(fields))
-    local kept = again and redis.call('HMGET', undo, unpack(fields)) or {}
-    local save, rows = {}, {}
-    for j = 1, #fields do
-      if not kept[j] then
-        save[#save + 1] = fields[j]
-        save[#save + 1] = old[j] or ''
-      end
-      rows[#rows + 1] = fields[j]
-      rows[#rows + 1] = ARGV[3 + n + t * n + s + j - 1]
-    end
-    if #save > 0 then redis.call('HSET', undo, unpack(save)) end
-    redis.call('HSET', bucket, unpack(rows))
-  end
-  redis.call('EXPIRE', undo, ttl)
-  counts[#counts + 1] = redis.call('INCR', count)
-end
-return counts
-"""
-
 _NO_STEP = -1  # the step input of the native ops outside a training step
 
 
@@ -886,7 +844,6 @@ class RedisTable(Table, trackable_base.Trackable):
                     other_dims=[t.dim for t in others_tables],
                     other_buckets=[b for t in others_tables for b in t._buckets],
                     other_names=[t.name for t in others_tables],
-                    step_script=_STEP_LUA if step is not None else "",
                     **self._attrs,
                 ),
             )
