@@ -306,3 +306,42 @@ def test_insert_with_other_backends_falls_back_to_one_insert_per_table(server):
     row.insert_with(keys, tf.ones([3, 8]), [(slot, tf.fill([3, 8], 2.0)), (local, tf.fill([3, 2], tf.constant(3.0)))])
     assert _held(row, keys)[1].all() and (_held(slot, keys)[0] == 2.0).all()
     assert (_held(local, keys)[0] == 3.0).all()
+
+
+@pytest.mark.parametrize("read_first", ["none", "all", "some"])
+@pytest.mark.parametrize("layout", ["standalone", "cluster"])
+def test_a_step_s_write_keeps_the_rows_it_overwrote_for_a_read_of_that_step_again(server, layout, read_first):
+    """insert_with with a training step number (the optimizer's write):
+    a training read of that same step afterwards (the step run again after
+    a failure) reads each table as it was before the write, "not stored"
+    for a key the write created, and a read of the next step reads the
+    write.  The rows from before come from the step's own read of the table
+    when it read every key (read_first="all"), else the write reads them
+    itself ("none"; "some": the step's read missed keys of the write)."""
+    if layout == "cluster":
+        ports = redis_servers.cluster()
+        cfg = {"redis_connection_mode": 0, "redis_host_ip": ["127.0.0.1"] * 3, "redis_host_port": ports}
+        tables = _tables(ports[0], f"undo-{read_first}", **cfg)
+    else:
+        tables = _tables(server, f"undo-{read_first}")
+    keys, before = _batch(tables, n=600)
+    stored = keys[:400]  # the rest is new to the tables
+    _write(tables, stored, [r[:400] for r in before])
+    after = [r + tf.cast(5, r.dtype) for r in before]
+    step = tf.constant(41, tf.int64)
+
+    def read(table, step, k=keys):
+        return table.find_to_update(k, tf.zeros([1, table.dim], table.value_dtype), step)
+
+    if read_first != "none":
+        for t in tables:
+            read(t, step, keys if read_first == "all" else keys[::2])
+    tables[0].insert_with(keys, after[0], list(zip(tables[1:], after[1:])), step)
+    for t, b, a in zip(tables, before, after):
+        values, exists = read(t, step)
+        np.testing.assert_array_equal(exists.numpy(), np.arange(600) < 400, err_msg=t.name)
+        np.testing.assert_array_equal(values.numpy()[:400], b.numpy()[:400], err_msg=t.name)
+        np.testing.assert_array_equal(values.numpy()[400:], 0, err_msg=t.name)
+        values, exists = read(t, step + 1)
+        assert exists.numpy().all()
+        np.testing.assert_array_equal(values.numpy(), a.numpy(), err_msg=t.name)

@@ -8,6 +8,7 @@
 // serving exports that keep reading Redis.  Thin: validates shapes, routes
 // keys to buckets as redis_table.py lays them out, and pipelines the
 // commands through resp_client.h.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstdio>
@@ -20,6 +21,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "../cuckoo/hash.h"
@@ -201,6 +203,51 @@ class WriteCounts {
   static std::map<std::string, int64_t>& Seen() {
     static std::map<std::string, int64_t> seen;
     return seen;
+  }
+};
+
+// What this process's training reads of a step saw (TfdeRedisFind with a
+// step), kept per table until its write of that step: the keys' fields, the
+// rows and whether each was stored, and per bucket whether its stamp was
+// this step's.  Those are the rows from before the step (a stamped bucket's
+// undo entries are read in their place), so the step's write saves them as
+// its undo entries (StepKey) without reading them again.  Only the latest
+// read of a table is kept; a write takes it when the read is of the same
+// step and holds every key it writes, else it reads what it needs itself.
+class StepReads {
+ public:
+  struct Read {
+    int64_t step;
+    std::vector<int8_t> again;  // per bucket: 1 stamped with this step, 0 not, -1 not asked (no key there)
+    std::vector<std::string> fields;
+    Tensor rows, exists;
+  };
+  // `at`: the table (TableAt).
+  static void Put(const std::string& at, std::shared_ptr<const Read> read) {
+    std::lock_guard<std::mutex> lock(Mu());
+    Kept()[at] = std::move(read);
+  }
+  static std::shared_ptr<const Read> Get(const std::string& at, int64_t step) {
+    std::lock_guard<std::mutex> lock(Mu());
+    auto it = Kept().find(at);
+    if (it == Kept().end() || it->second->step != step) return nullptr;
+    return it->second;
+  }
+  // Forgets the read of `at` once a write of its step took it.
+  static void Drop(const std::string& at, int64_t step) {
+    std::lock_guard<std::mutex> lock(Mu());
+    auto it = Kept().find(at);
+    if (it != Kept().end() && it->second->step == step) Kept().erase(it);
+  }
+
+ private:
+  static std::mutex& Mu() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::map<std::string, std::shared_ptr<const Read>>& Kept() {
+    static std::map<std::string, std::shared_ptr<const Read>> kept;
+    return kept;
   }
 };
 
@@ -427,6 +474,13 @@ class RedisOpBase : public OpKernel {
     std::map<std::string, Count> seen_;
   };
 
+  // Where StepReads keeps the reads of the table whose first bucket is
+  // `bucket`: the servers and database too (two databases of a server may
+  // hold tables of one name).
+  std::string TableAt(const std::string& bucket) const {
+    return client_->Servers() + " db " + std::to_string(client_->db()) + " " + bucket;
+  }
+
   // Where WriteCounts keeps `counter`: keyed by the database too (two
   // databases of a server may hold tables of one name) and by the writer
   // (the RedisTable whose kernels these are).
@@ -538,6 +592,15 @@ class RedisFindOp : public RedisOpBase {
                        Fail(ctx, "find", e);
                      }
                    }));
+    if (!ctx->status().ok() || step < 0) return;
+    auto read = std::make_shared<StepReads::Read>();
+    read->step = step;
+    for (size_t b = 0; b < undone.size(); ++b)
+      read->again.push_back(keyed.by_bucket[b].empty() ? -1 : static_cast<int8_t>(undone[b]));
+    read->fields = keyed.fields;
+    read->rows = *values;
+    read->exists = *exists;
+    StepReads::Put(TableAt(buckets_[0]), std::move(read));
   }
 
  private:
@@ -778,9 +841,14 @@ class RedisInsertGroupOp : public RedisOpBase {
     std::vector<std::vector<std::string>> old(tables * nb);
     std::vector<std::vector<char>> kept(tables * nb);
     std::vector<char> again(tables * nb, 0);
-    if (step >= 0) {
+    // The rows before the step come from this step's reads of the tables
+    // (StepReads) where they hold every key; the other tables are read here.
+    std::vector<char> unread(tables, step >= 0 ? 1 : 0);
+    for (size_t t = 0; step >= 0 && t < tables; ++t)
+      unread[t] = !FromStepReads(keyed, t, step, row_bytes[t], &old, &kept, &again);
+    if (std::find(unread.begin(), unread.end(), 1) != unread.end()) {
       try {
-        ReadBeforeStep(keyed, tables, stamp, &old, &kept, &again);
+        ReadBeforeStep(keyed, unread, stamp, &old, &kept, &again);
       } catch (const std::exception& e) {
         Fail(ctx, what.c_str(), e);  // nothing was written
         return;
@@ -913,18 +981,59 @@ class RedisInsertGroupOp : public RedisOpBase {
         Fail(ctx, what.c_str(), resp::Error(p, resp::ErrorKind::kRefused));
         return;
       }
+    for (size_t t = 0; step >= 0 && t < tables; ++t) StepReads::Drop(TableAt(BucketOf(t, 0)), step);
     const std::string lost = counts.Check();
     if (!lost.empty()) Fail(ctx, what.c_str(), resp::Error(lost, resp::ErrorKind::kTableLost));
   }
 
  private:
-  // The first round trip of a training step's write (see Compute): per
-  // written (table, bucket) at t * nb + b, `again` (its stamp is this
+  // Fills table t's `old` and `again` (see ReadBeforeStep; `kept` stays
+  // all 0: a kept undo entry is what the read returned for its key, so
+  // saving it again changes nothing) from this step's latest read of the
+  // table, if it holds every key and bucket of the write; returns whether
+  // it did.
+  bool FromStepReads(const Routed& keyed, size_t t, int64_t step, size_t row_bytes,
+                     std::vector<std::vector<std::string>>* old, std::vector<std::vector<char>>* kept,
+                     std::vector<char>* again) const {
+    const std::shared_ptr<const StepReads::Read> read = StepReads::Get(TableAt(BucketOf(t, 0)), step);
+    const size_t nb = buckets_.size();
+    if (read == nullptr || read->again.size() != nb || read->rows.dims() != 2 ||
+        static_cast<size_t>(read->rows.dim_size(1)) * ::tensorflow::DataTypeSize(read->rows.dtype()) != row_bytes)
+      return false;
+    std::unordered_map<std::string_view, int64_t> where;
+    where.reserve(read->fields.size());
+    for (size_t i = 0; i < read->fields.size(); ++i) where[read->fields[i]] = static_cast<int64_t>(i);
+    const char* rows = read->rows.tensor_data().data();
+    const bool* stored = read->exists.flat<bool>().data();
+    std::vector<std::vector<std::string>> found(nb);
+    for (size_t b = 0; b < nb; ++b) {
+      const std::vector<int64_t>& at = keyed.by_bucket[b];
+      if (at.empty()) continue;
+      if (read->again[b] < 0) return false;
+      found[b].reserve(at.size());
+      for (int64_t i : at) {
+        auto it = where.find(keyed.fields[i]);
+        if (it == where.end()) return false;
+        const int64_t r = it->second;
+        found[b].push_back(stored[r] ? std::string(rows + r * row_bytes, row_bytes) : std::string());
+      }
+    }
+    for (size_t b = 0; b < nb; ++b) {
+      if (keyed.by_bucket[b].empty()) continue;
+      (*old)[t * nb + b] = std::move(found[b]);
+      (*kept)[t * nb + b].assign(keyed.by_bucket[b].size(), 0);
+      (*again)[t * nb + b] = static_cast<char>(read->again[b]);
+    }
+    return true;
+  }
+
+  // The first round trip of a training step's write (see Compute), for the
+  // tables marked `unread`: per written (table, bucket) at t * nb + b, `again` (its stamp is this
   // step's: an earlier attempt of the step wrote it), `old` (each key's row
   // as the bucket holds it, "" where absent) and, where `again`, `kept`
   // (the key has an undo entry of that attempt, which stands: it holds the
   // row from before the step).  Reads only; throws what the client throws.
-  void ReadBeforeStep(const Routed& keyed, size_t tables, const std::string& stamp,
+  void ReadBeforeStep(const Routed& keyed, const std::vector<char>& unread, const std::string& stamp,
                       std::vector<std::vector<std::string>>* old, std::vector<std::vector<char>>* kept,
                       std::vector<char>* again) const {
     const size_t nb = buckets_.size();
@@ -942,7 +1051,8 @@ class RedisInsertGroupOp : public RedisOpBase {
     };
     for (size_t b = 0; b < nb; ++b) {
       if (keyed.by_bucket[b].empty()) continue;
-      for (size_t t = 0; t < tables; ++t) {
+      for (size_t t = 0; t < unread.size(); ++t) {
+        if (!unread[t]) continue;
         const size_t tb = t * nb + b;
         (*old)[tb].assign(keyed.by_bucket[b].size(), std::string());
         (*kept)[tb].assign(keyed.by_bucket[b].size(), 0);
@@ -976,7 +1086,7 @@ class RedisInsertGroupOp : public RedisOpBase {
     std::vector<resp::Command> undo;
     const size_t first = at.size();
     for (size_t tb = 0; tb < again->size(); ++tb)
-      if ((*again)[tb]) hmget(&undo, UndoKeyOf(tb / nb, tb % nb), tb, tb % nb);
+      if (unread[tb / nb] && (*again)[tb]) hmget(&undo, UndoKeyOf(tb / nb, tb % nb), tb, tb % nb);
     if (!undo.empty())
       client_->Pipeline(undo, [&](size_t c, const resp::Reply& r) { take(undo, first, c, r, true); });
   }
