@@ -1061,8 +1061,7 @@ class RedisInsertGroupOp : public RedisOpBase {
         hmget(&reads, BucketOf(t, b), tb, b);
       }
     }
-    auto take = [&](const std::vector<resp::Command>& sent, size_t first, size_t c, const resp::Reply& r,
-                    bool undo) {
+    auto take = [&](const std::vector<resp::Command>& sent, size_t first, size_t c, const resp::Reply& r, bool undo) {
       const auto [tb, s] = at[first + c];
       const size_t count = std::min(chunk_, keyed.by_bucket[tb % nb].size() - s);
       if (r.type != resp::Reply::kArray || r.elements.size() != count)
@@ -1087,8 +1086,7 @@ class RedisInsertGroupOp : public RedisOpBase {
     const size_t first = at.size();
     for (size_t tb = 0; tb < again->size(); ++tb)
       if (unread[tb / nb] && (*again)[tb]) hmget(&undo, UndoKeyOf(tb / nb, tb % nb), tb, tb % nb);
-    if (!undo.empty())
-      client_->Pipeline(undo, [&](size_t c, const resp::Reply& r) { take(undo, first, c, r, true); });
+    if (!undo.empty()) client_->Pipeline(undo, [&](size_t c, const resp::Reply& r) { take(undo, first, c, r, true); });
   }
 
   const std::string& BucketOf(size_t table, size_t bucket) const {
