@@ -741,10 +741,12 @@ TFDE_REGISTER_REDIS(tstring);
 // bucket (a transaction may not span slots), on a single server (standalone
 // or the sentinels' master) one for the whole call, so a failed call there
 // writes nothing at all.  Each HSET holds one table's rows of at most `chunk`
-// keys of that bucket.  A training step's write (step >= 0) first reads, in
-// one pipeline, the bucket's step stamps and the rows it overwrites, and its
-// transaction also stamps the buckets and keeps those rows as undo entries
-// (StepKey): native commands only, no script.
+// keys of that bucket.  A training step's write (step >= 0) needs the
+// buckets' step stamps and the rows it overwrites: it takes them from the
+// step's own read of each table (StepReads), or reads them in one pipeline
+// where that read missed a key; its transaction also stamps the buckets and
+// keeps those rows as undo entries (StepKey): native commands only, no
+// script.
 //
 // Failures: a connection lost before EXEC makes the server discard the
 // transaction; one lost after it leaves it applied; either way the client's
