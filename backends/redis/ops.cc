@@ -510,7 +510,7 @@ class RedisFindOp : public RedisOpBase {
     if (n == 0) return;
     int64_t step;
     OP_REQUIRES_OK(ctx, ReadStep(ctx, 2, &step));
-    const Routed keyed = Route<TK>(keys);
+    Routed keyed = Route<TK>(keys);  // its fields go to StepReads at the end
     // One HMGET per (bucket, chunk of keys); positions[c] = the keys of
     // command c.  A training step's read (step >= 0) also asks each bucket's
     // step stamp (bucket_of[c] says whose; -1 for an HMGET).
@@ -597,7 +597,7 @@ class RedisFindOp : public RedisOpBase {
     read->step = step;
     for (size_t b = 0; b < undone.size(); ++b)
       read->again.push_back(keyed.by_bucket[b].empty() ? -1 : static_cast<int8_t>(undone[b]));
-    read->fields = keyed.fields;
+    read->fields = std::move(keyed.fields);  // the commands holding views of them are done
     read->rows = *values;
     read->exists = *exists;
     StepReads::Put(TableAt(buckets_[0]), std::move(read));
@@ -951,15 +951,13 @@ class RedisInsertGroupOp : public RedisOpBase {
           const std::string where = " (table '" + TableName(q.table) + "', bucket " + std::to_string(q.bucket) + ")";
           const std::string command =
               std::string(commands[q.command].args[0]) + " " + std::string(commands[q.command].key);
-          if (q.kind == kCount) {  // the rows were written; their count was not
-            problem[tx] = command + where + " failed inside the transaction: " + got.str +
-                          "; the transaction's other commands ran";
-          } else {
-            problem[tx] = command + where + " failed inside the transaction: " + got.str +
-                          "; its other writes were applied, so keys of bucket " + std::to_string(q.bucket) +
-                          " may be written to some of the tables and not to others" +
-                          (q.kind == kUndo ? ", and a run of this step again may not read what it read first" : "");
-          }
+          problem[tx] = command + where + " failed inside the transaction: " + got.str;
+          if (q.kind == kCount)  // the rows were written; their count was not
+            problem[tx] += "; the transaction's other commands ran";
+          else
+            problem[tx] += "; its other writes were applied, so keys of bucket " + std::to_string(q.bucket) +
+                           " may be written to some of the tables and not to others" +
+                           (q.kind == kUndo ? ", and a run of this step again may not read what it read first" : "");
           break;
         }
       }
@@ -1030,11 +1028,12 @@ class RedisInsertGroupOp : public RedisOpBase {
   }
 
   // The first round trip of a training step's write (see Compute), for the
-  // tables marked `unread`: per written (table, bucket) at t * nb + b, `again` (its stamp is this
-  // step's: an earlier attempt of the step wrote it), `old` (each key's row
-  // as the bucket holds it, "" where absent) and, where `again`, `kept`
-  // (the key has an undo entry of that attempt, which stands: it holds the
-  // row from before the step).  Reads only; throws what the client throws.
+  // tables marked `unread`: per written (table, bucket) at t * nb + b,
+  // `again` (its stamp is this step's: an earlier attempt of the step wrote
+  // it), `old` (each key's row as the bucket holds it, "" where absent)
+  // and, where `again`, `kept` (the key has an undo entry of that attempt,
+  // which stands: it holds the row from before the step).  Reads only;
+  // throws what the client throws.
   void ReadBeforeStep(const Routed& keyed, const std::vector<char>& unread, const std::string& stamp,
                       std::vector<std::vector<std::string>>* old, std::vector<std::vector<char>>* kept,
                       std::vector<char>* again) const {
