@@ -317,7 +317,9 @@ def test_a_step_s_write_keeps_the_rows_it_overwrote_for_a_read_of_that_step_agai
     for a key the write created, and a read of the next step reads the
     write.  The rows from before come from the step's own read of the table
     when it read every key (read_first="all"), else the write reads them
-    itself ("none"; "some": the step's read missed keys of the write)."""
+    itself ("none"; "some": the step's read missed keys of the write).  The
+    same step written a second time (a replay that failed again) keeps the
+    rows from before the first write, not the first write's."""
     if layout == "cluster":
         ports = redis_servers.cluster()
         cfg = {"redis_connection_mode": 0, "redis_host_ip": ["127.0.0.1"] * 3, "redis_host_port": ports}
@@ -337,6 +339,8 @@ def test_a_step_s_write_keeps_the_rows_it_overwrote_for_a_read_of_that_step_agai
         for t in tables:
             read(t, step, keys if read_first == "all" else keys[::2])
     tables[0].insert_with(keys, after[0], list(zip(tables[1:], after[1:])), step)
+    after = [r + tf.cast(9, r.dtype) for r in before]
+    tables[0].insert_with(keys, after[0], list(zip(tables[1:], after[1:])), step)
     for t, b, a in zip(tables, before, after):
         values, exists = read(t, step)
         np.testing.assert_array_equal(exists.numpy(), np.arange(600) < 400, err_msg=t.name)
@@ -345,3 +349,51 @@ def test_a_step_s_write_keeps_the_rows_it_overwrote_for_a_read_of_that_step_agai
         values, exists = read(t, step + 1)
         assert exists.numpy().all()
         np.testing.assert_array_equal(values.numpy(), a.numpy(), err_msg=t.name)
+
+
+def test_a_step_s_later_read_takes_the_rows_of_its_first_read(server):
+    """The optimizer reads the rows the forward pass read, in the same step:
+    that read takes them from the step's first read of the table.  It
+    returns what the server holds, and a key neither read found gets the
+    later read's missing row (here ones where the first read filled zeros),
+    with "not stored"."""
+    table = _tables(server, "reread")[0]
+    keys, rows = _batch([table], n=300)
+    table.insert(keys[:200], rows[0][:200])
+    step = tf.constant(7, tf.int64)
+    table.find_to_update(keys, tf.zeros([1, 8]), step)
+    values, exists = table.find_to_update(keys[::-3], tf.ones([1, 8]), step)
+    want = np.where((np.arange(300) < 200)[:, None], rows[0].numpy(), 1.0)[::-3]
+    np.testing.assert_array_equal(values.numpy(), want)
+    np.testing.assert_array_equal(exists.numpy(), (np.arange(300) < 200)[::-3])
+
+
+@pytest.mark.parametrize("write", ["insert", "insert_with", "accum", "remove", "clear"])
+def test_a_write_between_a_step_s_reads_is_read_by_the_later_one(server, write):
+    """A write of the table outside the step's own write (a user's upsert,
+    accum or remove between the forward pass and apply_gradients, in the
+    same step) is what the step's later read returns: the table forgets the
+    rows its first read kept."""
+    table = _tables(server, f"between-{write}")[0]
+    keys, rows = _batch([table], n=300)
+    table.insert(keys, rows[0])
+    step = tf.constant(3, tf.int64)
+    table.find_to_update(keys, tf.zeros([1, 8]), step)
+    new = rows[0] + 10.0
+    if write == "insert":
+        table.insert(keys, new)
+    elif write == "insert_with":
+        table.insert_with(keys, new, [])
+    elif write == "accum":
+        table.accum(keys, tf.fill([300, 8], 10.0), tfde.initializers.InitSpec("constant", 0.0, 0.0, 0))
+    elif write == "remove":
+        table.remove(keys)
+    else:
+        table.clear()
+    values, exists = table.find_to_update(keys, tf.ones([1, 8]), step)
+    if write in ("remove", "clear"):
+        assert not exists.numpy().any()
+        np.testing.assert_array_equal(values.numpy(), 1.0)
+    else:
+        assert exists.numpy().all()
+        np.testing.assert_array_equal(values.numpy(), new.numpy())

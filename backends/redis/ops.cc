@@ -138,23 +138,20 @@ std::string WriteCountKey(const std::string& bucket) { return BesideBucket("tfde
 
 // Steps a replay finds undone (docs/redis.md, "A step run again").  A
 // training step's grouped write of bucket b stamps it for this process
-// ("tfde-step:<run id>:<bucket>" = "<run id>:<step>") and keeps the rows it
-// overwrote, and which fields were absent, in "tfde-undo:<run id>:<bucket>"
-// (a hash: field -> the old row, "" for a key that was not stored).  The
-// keys are this process's own, so workers that write keys of one bucket (a
-// shared store: each its own keys) keep apart, and they expire a day after
-// their last write (kStepKeysTtlS).  The same step written again
-// (its replay after a failure) keeps the first undo entries.  A training
-// read of step s finds a bucket stamped with step s of this run as it was
-// before step s: its undo entries override what the bucket holds.  So a
-// step that failed after writing some buckets, run again, reads what the
-// first attempt read, computes the same rows and writes them again: it is
-// applied once.  Other processes have other run ids: a stamp of another
-// process never matches.
+// ("tfde-step:<run id>:<bucket>" = "<run id>:<step>"), in the transaction
+// that writes the rows, and the process keeps the rows it overwrote
+// (StepUndo).  The stamp is this process's own, so workers that write keys
+// of one bucket (a shared store: each its own keys) keep apart, and it
+// expires a day after its last write (kStepKeysTtlS).  A training read of
+// step s finds a bucket stamped with step s of this run as it was before
+// step s: the kept rows override what the bucket holds.  So a step that
+// failed after writing some buckets, run again, reads what the first
+// attempt read, computes the same rows and writes them again: it is applied
+// once.  Other processes have other run ids: a stamp of another process
+// never matches (and they do not hold this one's rows).
 const std::string& RunId();
 std::string StepKey(const std::string& bucket) { return BesideBucket(("tfde-step:" + RunId()).c_str(), bucket); }
-std::string UndoKey(const std::string& bucket) { return BesideBucket(("tfde-undo:" + RunId()).c_str(), bucket); }
-constexpr int kStepKeysTtlS = 86400;  // a stamp and its undo entries outlive their step by a day at most
+constexpr int kStepKeysTtlS = 86400;  // a stamp outlives its step by a day at most
 const std::string& RunId() {
   static const std::string id = [] {
     std::random_device source;
@@ -209,11 +206,16 @@ class WriteCounts {
 // What this process's training reads of a step saw (TfdeRedisFind with a
 // step), kept per table until its write of that step: the keys' fields, the
 // rows and whether each was stored, and per bucket whether its stamp was
-// this step's.  Those are the rows from before the step (a stamped bucket's
-// undo entries are read in their place), so the step's write saves them as
-// its undo entries (StepKey) without reading them again.  Only the latest
-// read of a table is kept; a write takes it when the read is of the same
-// step and holds every key it writes, else it reads what it needs itself.
+// this step's.  Those are the rows from before the step (in a stamped
+// bucket, the rows StepUndo kept are read in their place), so the step's
+// later reads of the table (the optimizer's read-modify-write of the rows
+// the forward pass read) take them from here, and its write has StepUndo
+// keep them, without asking the server again.  Only the latest read of a
+// table is kept; a read or write takes it when it is of the same step and
+// holds every key asked, else it asks the server.  Any other write of the
+// table by this process forgets it (Forget).  Another process writing the
+// same keys within the step is not seen; in a job each key has one writer
+// (docs/redis.md, "A step's rows, read once").
 class StepReads {
  public:
   struct Read {
@@ -221,11 +223,20 @@ class StepReads {
     std::vector<int8_t> again;  // per bucket: 1 stamped with this step, 0 not, -1 not asked (no key there)
     std::vector<std::string> fields;
     Tensor rows, exists;
+    std::unordered_map<std::string_view, int64_t> where;  // field -> its row; views of `fields`
   };
-  // `at`: the table (TableAt).
-  static void Put(const std::string& at, std::shared_ptr<const Read> read) {
+  // `at`: the table (TableAt).  Indexes the read's fields first.
+  static void Put(const std::string& at, std::shared_ptr<Read> read) {
+    read->where.reserve(read->fields.size());
+    for (size_t i = 0; i < read->fields.size(); ++i) read->where[read->fields[i]] = static_cast<int64_t>(i);
     std::lock_guard<std::mutex> lock(Mu());
     Kept()[at] = std::move(read);
+  }
+  // Forgets the read of `at`, whatever its step: the table is written
+  // outside a step's write.
+  static void Forget(const std::string& at) {
+    std::lock_guard<std::mutex> lock(Mu());
+    Kept().erase(at);
   }
   static std::shared_ptr<const Read> Get(const std::string& at, int64_t step) {
     std::lock_guard<std::mutex> lock(Mu());
@@ -247,6 +258,62 @@ class StepReads {
   }
   static std::map<std::string, std::shared_ptr<const Read>>& Kept() {
     static std::map<std::string, std::shared_ptr<const Read>> kept;
+    return kept;
+  }
+};
+
+// The rows a training step's writes overwrote, kept in this process per
+// bucket (TableAt of the bucket) for the latest step that wrote it: field ->
+// the row before the step, "" for a key that was not stored.  A write of
+// step s keeps them before it sends anything (its transaction may apply
+// with its reply lost); a read of step s takes them for the keys of a
+// bucket stamped with step s (StepKey).  A bucket written again by the
+// same step (its replay after a failure; its stamp is that step's) keeps
+// the rows of the first attempt, which are the ones from before the step;
+// a write of a bucket not stamped with its step starts afresh.  Memory: the
+// rows of one step's write per bucket.
+class StepUndo {
+ public:
+  // Keeps `old[j]`, the row before step `step` of key `fields[at[j]]`
+  // (moved from).  `fresh`: the bucket is not stamped with this step, so
+  // rows kept for it before go; else a key's kept row stands.
+  static void Keep(const std::string& bucket, int64_t step, bool fresh, const std::vector<std::string>& fields,
+                   const std::vector<int64_t>& at, std::vector<std::string>* old) {
+    std::lock_guard<std::mutex> lock(Mu());
+    Rows& kept = Kept()[bucket];
+    if (fresh || kept.step != step) {
+      kept.step = step;
+      kept.old.clear();
+    }
+    for (size_t j = 0; j < at.size(); ++j) kept.old.try_emplace(fields[at[j]], std::move((*old)[j]));
+  }
+  // Calls take(j, row) for each key fields[at[j]] with a row kept for step
+  // `step` (the row, "" if the key was not stored); false if nothing is kept
+  // for that step.
+  template <class Take>
+  static bool Restore(const std::string& bucket, int64_t step, const std::vector<std::string>& fields,
+                      const std::vector<int64_t>& at, Take take) {
+    std::lock_guard<std::mutex> lock(Mu());
+    auto it = Kept().find(bucket);
+    if (it == Kept().end() || it->second.step != step) return false;
+    for (size_t j = 0; j < at.size(); ++j) {
+      auto row = it->second.old.find(fields[at[j]]);
+      if (row != it->second.old.end()) take(j, row->second);
+    }
+    return true;
+  }
+
+ private:
+  struct Rows {
+    int64_t step = -1;
+    std::unordered_map<std::string, std::string> old;
+  };
+  static std::mutex& Mu() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::map<std::string, Rows>& Kept() {
+    static std::map<std::string, Rows> kept;
     return kept;
   }
 };
@@ -332,7 +399,6 @@ class RedisOpBase : public OpKernel {
     client_ = std::make_unique<resp::Client>(std::move(config));
     for (const std::string& bucket : buckets_) {
       step_keys_.push_back(StepKey(bucket));
-      undo_keys_.push_back(UndoKey(bucket));
       count_keys_.push_back(WriteCountKey(bucket));
       // In a cluster a bucket's count must share its slot (a bucket named
       // "a{}b{c}" hashes whole, its count would hash "c").
@@ -422,7 +488,6 @@ class RedisOpBase : public OpKernel {
   std::unique_ptr<resp::Client> client_;
   std::vector<std::string> count_keys_;  // WriteCountKey of each bucket
   std::vector<std::string> step_keys_;   // StepKey of each bucket
-  std::vector<std::string> undo_keys_;   // UndoKey of each bucket
   bool check_counts_ = true;
   std::string writer_;  // the writer attr: whose acknowledged counts WriteCounts compares with
 
@@ -511,6 +576,7 @@ class RedisFindOp : public RedisOpBase {
     int64_t step;
     OP_REQUIRES_OK(ctx, ReadStep(ctx, 2, &step));
     Routed keyed = Route<TK>(keys);  // its fields go to StepReads at the end
+    if (step >= 0 && FromStepReads(ctx, keyed, step, missing, values, exists)) return;
     // One HMGET per (bucket, chunk of keys); positions[c] = the keys of
     // command c.  A training step's read (step >= 0) also asks each bucket's
     // step stamp (bucket_of[c] says whose; -1 for an HMGET).
@@ -533,65 +599,56 @@ class RedisFindOp : public RedisOpBase {
       }
     }
     const std::string stamp = step >= 0 ? StepStamp(step) : "";
-    std::vector<bool> undone(keyed.by_bucket.size(), false);  // stamped with this step: read its undo entries
+    std::vector<bool> undone(keyed.by_bucket.size(), false);  // stamped with this step: StepUndo has its rows
     char* out = const_cast<char*>(values->tensor_data().data());
     bool* ex = exists->flat<bool>().data();
-    OP_REQUIRES_OK(ctx, WithValueType(value_dtype_, [&](auto v) {
-                     using V = decltype(v);
-                     const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(V);
-                     // Row j of reply r for key i; `undo`: an undo entry, where ""
-                     // means the key was not stored and nil that the step left it.
-                     auto take = [&](const resp::Reply& r, size_t c, const std::vector<std::vector<int64_t>>& at,
-                                     const std::vector<resp::Command>& sent, bool undo) {
-                       if (r.type != resp::Reply::kArray || r.elements.size() != at[c].size())
-                         throw resp::Error("a malformed HMGET reply for " + std::string(sent[c].key), true);
-                       for (size_t j = 0; j < at[c].size(); ++j) {
-                         const int64_t i = at[c][j];
-                         const resp::Reply& value = r.elements[j];
-                         if (undo && value.type != resp::Reply::kBulk) continue;
-                         if (value.type != resp::Reply::kBulk || (undo && value.str.empty())) {
-                           missing.template Fill<V>(i, keyed.hashes[i], dim_, out + i * row_bytes);
-                           ex[i] = false;
-                           continue;
-                         }
-                         if (value.str.size() != row_bytes)
-                           throw std::length_error("a row in " + std::string(sent[c].key) + " has " +
-                                                   std::to_string(value.str.size()) + " bytes, expected " +
-                                                   std::to_string(row_bytes) + " for " + Describe() +
-                                                   ": the table holds another dim or dtype");
-                         std::memcpy(out + i * row_bytes, value.str.data(), row_bytes);
-                         ex[i] = true;
-                       }
-                     };
-                     try {
-                       client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
-                         if (bucket_of[c] >= 0) {
-                           undone[bucket_of[c]] = r.type == resp::Reply::kBulk && r.str == stamp;
-                           return;
-                         }
-                         take(r, c, positions, commands, false);
-                       });
-                       // Rare: the buckets a failed attempt of this step wrote.
-                       std::vector<resp::Command> undo;
-                       std::vector<std::vector<int64_t>> undo_positions;
-                       for (size_t b = 0; b < undone.size(); ++b) {
-                         if (!undone[b]) continue;
-                         for (size_t s = 0; s < keyed.by_bucket[b].size(); s += chunk_) {
-                           resp::Command c{undo_keys_[b], {"HMGET", undo_keys_[b]}};
-                           undo_positions.emplace_back(
-                               keyed.by_bucket[b].begin() + s,
-                               keyed.by_bucket[b].begin() + std::min(s + chunk_, keyed.by_bucket[b].size()));
-                           for (int64_t i : undo_positions.back()) c.args.push_back(keyed.fields[i]);
-                           undo.push_back(std::move(c));
-                         }
-                       }
-                       if (!undo.empty())
-                         client_->Pipeline(
-                             undo, [&](size_t c, const resp::Reply& r) { take(r, c, undo_positions, undo, true); });
-                     } catch (const std::exception& e) {
-                       Fail(ctx, "find", e);
-                     }
-                   }));
+    OP_REQUIRES_OK(
+        ctx, WithValueType(value_dtype_, [&](auto v) {
+          using V = decltype(v);
+          const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(V);
+          // Key i's row `value` (null: not stored), read from `where`.
+          auto put = [&](int64_t i, const std::string* value, std::string_view where) {
+            if (value == nullptr) {
+              missing.template Fill<V>(i, keyed.hashes[i], dim_, out + i * row_bytes);
+              ex[i] = false;
+              return;
+            }
+            if (value->size() != row_bytes)
+              throw std::length_error("a row in " + std::string(where) + " has " + std::to_string(value->size()) +
+                                      " bytes, expected " + std::to_string(row_bytes) + " for " + Describe() +
+                                      ": the table holds another dim or dtype");
+            std::memcpy(out + i * row_bytes, value->data(), row_bytes);
+            ex[i] = true;
+          };
+          try {
+            client_->Pipeline(commands, [&](size_t c, const resp::Reply& r) {
+              if (bucket_of[c] >= 0) {
+                undone[bucket_of[c]] = r.type == resp::Reply::kBulk && r.str == stamp;
+                return;
+              }
+              if (r.type != resp::Reply::kArray || r.elements.size() != positions[c].size())
+                throw resp::Error("a malformed HMGET reply for " + std::string(commands[c].key), true);
+              for (size_t j = 0; j < positions[c].size(); ++j) {
+                const resp::Reply& value = r.elements[j];
+                put(positions[c][j], value.type == resp::Reply::kBulk ? &value.str : nullptr, commands[c].key);
+              }
+            });
+            // Rare: the buckets a failed attempt of this step wrote read
+            // as they were before it, from the rows this process kept.
+            for (size_t b = 0; b < undone.size(); ++b) {
+              const std::vector<int64_t>& at = keyed.by_bucket[b];
+              if (undone[b] && !StepUndo::Restore(TableAt(buckets_[b]), step, keyed.fields, at,
+                                                  [&](size_t j, const std::string& row) {
+                                                    put(at[j], row.empty() ? nullptr : &row, buckets_[b]);
+                                                  }))
+                throw std::logic_error("bucket " + buckets_[b] + " is stamped with step " + std::to_string(step) +
+                                       " of this process, but the process kept no rows of it from "
+                                       "before that step");
+            }
+          } catch (const std::exception& e) {
+            Fail(ctx, "find", e);
+          }
+        }));
     if (!ctx->status().ok() || step < 0) return;
     auto read = std::make_shared<StepReads::Read>();
     read->step = step;
@@ -604,6 +661,41 @@ class RedisFindOp : public RedisOpBase {
   }
 
  private:
+  // Fills `values` and `exists` from this step's kept read of the table
+  // (StepReads) if it holds every key; returns whether it did.  A key the
+  // read did not find gets this op's missing row (the forward pass may read
+  // zeros where the optimizer's read needs the initializer).
+  bool FromStepReads(OpKernelContext* ctx, const Routed& keyed, int64_t step, const MissingRows& missing,
+                     Tensor* values, Tensor* exists) const {
+    const std::shared_ptr<const StepReads::Read> read = StepReads::Get(TableAt(buckets_[0]), step);
+    if (read == nullptr || read->rows.dtype() != value_dtype_ || read->rows.dims() != 2 ||
+        read->rows.dim_size(1) != dim_)
+      return false;
+    const int64_t n = static_cast<int64_t>(keyed.fields.size());
+    std::vector<int64_t> from(n);
+    for (int64_t i = 0; i < n; ++i) {
+      auto it = read->where.find(keyed.fields[i]);
+      if (it == read->where.end()) return false;
+      from[i] = it->second;
+    }
+    const bool* stored = read->exists.flat<bool>().data();
+    bool* ex = exists->flat<bool>().data();
+    ctx->SetStatus(WithValueType(value_dtype_, [&](auto v) {
+      using V = decltype(v);
+      const size_t row_bytes = static_cast<size_t>(dim_) * sizeof(V);
+      const char* rows = read->rows.tensor_data().data();
+      char* out = const_cast<char*>(values->tensor_data().data());
+      for (int64_t i = 0; i < n; ++i) {
+        ex[i] = stored[from[i]];
+        if (ex[i])
+          std::memcpy(out + i * row_bytes, rows + from[i] * row_bytes, row_bytes);
+        else
+          missing.template Fill<V>(i, keyed.hashes[i], dim_, out + i * row_bytes);
+      }
+    }));
+    return true;
+  }
+
   MissingRows missing_;
 };
 
@@ -626,6 +718,7 @@ class RedisInsertOp : public RedisOpBase {
     written->scalar<int64_t>()() = n;
     if (n == 0) return;
     const Routed keyed = Route<TK>(keys);
+    StepReads::Forget(TableAt(buckets_[0]));
     const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
     const char* rows = values.tensor_data().data();
     // One HSET per (bucket, chunk of keys), field value pairs in batch order:
@@ -744,9 +837,8 @@ TFDE_REGISTER_REDIS(tstring);
 // keys of that bucket.  A training step's write (step >= 0) needs the
 // buckets' step stamps and the rows it overwrites: it takes them from the
 // step's own read of each table (StepReads), or reads them in one pipeline
-// where that read missed a key; its transaction also stamps the buckets and
-// keeps those rows as undo entries (StepKey): native commands only, no
-// script.
+// where that read missed a key; StepUndo keeps those rows in this process,
+// and the transaction also stamps the buckets (StepKey).
 //
 // Failures: a connection lost before EXEC makes the server discard the
 // transaction; one lost after it leaves it applied; either way the client's
@@ -794,7 +886,6 @@ class RedisInsertGroupOp : public RedisOpBase {
     for (const std::string& bucket : other_buckets_) {
       other_count_keys_.push_back(WriteCountKey(bucket));
       other_step_keys_.push_back(StepKey(bucket));
-      other_undo_keys_.push_back(UndoKey(bucket));
     }
   }
 
@@ -831,31 +922,35 @@ class RedisInsertGroupOp : public RedisOpBase {
     const Routed keyed = Route<TK>(keys);
     const size_t nb = buckets_.size();
     const std::string what = "grouped insert into " + std::to_string(tables) + " tables";
-    // A training step's write (step >= 0) keeps undo entries (StepKey says
-    // why): first, in one round trip, each (table, bucket)'s step stamp and
-    // the rows the step overwrites; then the transaction saves those rows in
-    // the undo hash beside writing the new ones.  At t * nb + b per (table,
-    // bucket): the rows before the step in by_bucket[b]'s order ("" for an
-    // absent key), which of them an earlier attempt of this step already
-    // saved, and whether an earlier attempt stamped the bucket.
+    // A training step's write (step >= 0) stamps its buckets and keeps the
+    // rows it overwrites in this process (StepKey and StepUndo say why):
+    // first each (table, bucket)'s stamp and the rows the step overwrites,
+    // at t * nb + b: whether an earlier attempt of this step stamped the
+    // bucket, and the rows before the step in by_bucket[b]'s order ("" for
+    // an absent key).  They come from this step's reads of the tables
+    // (StepReads) where those hold every key; the other tables are read
+    // here, in one round trip.  StepUndo keeps the rows before the
+    // transaction is sent.
     const std::string stamp = step >= 0 ? StepStamp(step) : "";
     const std::string ttl = std::to_string(kStepKeysTtlS);
     std::vector<std::vector<std::string>> old(tables * nb);
-    std::vector<std::vector<char>> kept(tables * nb);
     std::vector<char> again(tables * nb, 0);
-    // The rows before the step come from this step's reads of the tables
-    // (StepReads) where they hold every key; the other tables are read here.
     std::vector<char> unread(tables, step >= 0 ? 1 : 0);
+    for (size_t t = 0; step < 0 && t < tables; ++t) StepReads::Forget(TableAt(BucketOf(t, 0)));
     for (size_t t = 0; step >= 0 && t < tables; ++t)
-      unread[t] = !FromStepReads(keyed, t, step, row_bytes[t], &old, &kept, &again);
+      unread[t] = !FromStepReads(keyed, t, step, row_bytes[t], &old, &again);
     if (std::find(unread.begin(), unread.end(), 1) != unread.end()) {
       try {
-        ReadBeforeStep(keyed, unread, stamp, &old, &kept, &again);
+        ReadBeforeStep(keyed, unread, stamp, &old, &again);
       } catch (const std::exception& e) {
         Fail(ctx, what.c_str(), e);  // nothing was written
         return;
       }
     }
+    for (size_t tb = 0; step >= 0 && tb < tables * nb; ++tb)
+      if (!keyed.by_bucket[tb % nb].empty())
+        StepUndo::Keep(TableAt(BucketOf(tb / nb, tb % nb)), step, !again[tb], keyed.fields, keyed.by_bucket[tb % nb],
+                       &old[tb]);
 
     // commands: per transaction MULTI, its commands, EXEC.  role[c] is -1
     // for a MULTI, -2 for an EXEC, else the index into queued[tx_of[c]] of
@@ -863,7 +958,7 @@ class RedisInsertGroupOp : public RedisOpBase {
     std::vector<resp::Command> commands;
     std::vector<size_t> tx_of;
     std::vector<int64_t> role;
-    enum Kind { kRows, kCount, kUndo };  // an HSET of rows; an INCR of a write count; the undo bookkeeping
+    enum Kind { kRows, kCount, kStamp };  // an HSET of rows; an INCR of a write count; a SET of a step stamp
     struct Queued {
       Kind kind;
       size_t table, bucket, command;
@@ -886,21 +981,8 @@ class RedisInsertGroupOp : public RedisOpBase {
         add(resp::Command{buckets_[b], {"MULTI"}}, -1);
       }
       for (size_t t = 0; t < tables; ++t) {
-        const size_t tb = t * nb + b;
-        const std::string& undo = UndoKeyOf(t, b);
-        if (step >= 0 && !again[tb]) {  // a new step: the last one's undo entries go
-          queue(resp::Command{undo, {"UNLINK", undo}}, kUndo, t, b);
-          queue(resp::Command{StepKeyOf(t, b), {"SET", StepKeyOf(t, b), stamp, "EX", ttl}}, kUndo, t, b);
-        }
-        for (size_t s = 0; step >= 0 && s < at.size(); s += chunk_) {
-          resp::Command c{undo, {"HSET", undo}};
-          for (size_t j = s; j < std::min(s + chunk_, at.size()); ++j) {
-            if (kept[tb][j]) continue;
-            c.args.push_back(keyed.fields[at[j]]);
-            c.args.push_back(old[tb][j]);
-          }
-          if (c.args.size() > 2) queue(std::move(c), kUndo, t, b);
-        }
+        if (step >= 0 && !again[t * nb + b])
+          queue(resp::Command{StepKeyOf(t, b), {"SET", StepKeyOf(t, b), stamp, "EX", ttl}}, kStamp, t, b);
         const std::string& bucket = BucketOf(t, b);
         for (size_t s = 0; s < at.size(); s += chunk_) {
           resp::Command c{bucket, {"HSET", bucket}};
@@ -910,7 +992,6 @@ class RedisInsertGroupOp : public RedisOpBase {
           }
           queue(std::move(c), kRows, t, b);
         }
-        if (step >= 0) queue(resp::Command{undo, {"EXPIRE", undo, ttl}}, kUndo, t, b);
         queue(resp::Command{CountKeyOf(t, b), {"INCR", CountKeyOf(t, b)}}, kCount, t, b);
       }
       if (per_bucket_) add(resp::Command{buckets_[b], {"EXEC"}}, -2);
@@ -919,8 +1000,8 @@ class RedisInsertGroupOp : public RedisOpBase {
 
     // Replies are judged after the pipeline: a retry delivers a transaction
     // again from its MULTI, which resets its verdict (the last delivery
-    // counts).  A retry resends the same undo entries, read before the
-    // first delivery, so a transaction applied twice equals once.
+    // counts).  A transaction holds absolute values (rows, the stamp), so
+    // applied twice it equals once.
     std::vector<std::string> problem(queued.size());
     Counts counts(this);
     for (const auto& tx : queued)
@@ -957,7 +1038,7 @@ class RedisInsertGroupOp : public RedisOpBase {
           else
             problem[tx] += "; its other writes were applied, so keys of bucket " + std::to_string(q.bucket) +
                            " may be written to some of the tables and not to others" +
-                           (q.kind == kUndo ? ", and a run of this step again may not read what it read first" : "");
+                           (q.kind == kStamp ? ", and a run of this step again may not read what it read first" : "");
           break;
         }
       }
@@ -987,22 +1068,18 @@ class RedisInsertGroupOp : public RedisOpBase {
   }
 
  private:
-  // Fills table t's `old` and `again` (see ReadBeforeStep; `kept` stays
-  // all 0: a kept undo entry is what the read returned for its key, so
-  // saving it again changes nothing) from this step's latest read of the
-  // table, if it holds every key and bucket of the write; returns whether
-  // it did.
+  // Fills table t's `old` and `again` (see ReadBeforeStep) from this
+  // step's latest read of the table, if it holds every key and bucket of the
+  // write; returns whether it did.  In a bucket an earlier attempt of the
+  // step wrote, that read returned the rows kept from before the step.
   bool FromStepReads(const Routed& keyed, size_t t, int64_t step, size_t row_bytes,
-                     std::vector<std::vector<std::string>>* old, std::vector<std::vector<char>>* kept,
-                     std::vector<char>* again) const {
+                     std::vector<std::vector<std::string>>* old, std::vector<char>* again) const {
     const std::shared_ptr<const StepReads::Read> read = StepReads::Get(TableAt(BucketOf(t, 0)), step);
     const size_t nb = buckets_.size();
     if (read == nullptr || read->again.size() != nb || read->rows.dims() != 2 ||
         static_cast<size_t>(read->rows.dim_size(1)) * ::tensorflow::DataTypeSize(read->rows.dtype()) != row_bytes)
       return false;
-    std::unordered_map<std::string_view, int64_t> where;
-    where.reserve(read->fields.size());
-    for (size_t i = 0; i < read->fields.size(); ++i) where[read->fields[i]] = static_cast<int64_t>(i);
+    const auto& where = read->where;
     const char* rows = read->rows.tensor_data().data();
     const bool* stored = read->exists.flat<bool>().data();
     std::vector<std::vector<std::string>> found(nb);
@@ -1021,7 +1098,6 @@ class RedisInsertGroupOp : public RedisOpBase {
     for (size_t b = 0; b < nb; ++b) {
       if (keyed.by_bucket[b].empty()) continue;
       (*old)[t * nb + b] = std::move(found[b]);
-      (*kept)[t * nb + b].assign(keyed.by_bucket[b].size(), 0);
       (*again)[t * nb + b] = static_cast<char>(read->again[b]);
     }
     return true;
@@ -1030,64 +1106,46 @@ class RedisInsertGroupOp : public RedisOpBase {
   // The first round trip of a training step's write (see Compute), for the
   // tables marked `unread`: per written (table, bucket) at t * nb + b,
   // `again` (its stamp is this step's: an earlier attempt of the step wrote
-  // it), `old` (each key's row as the bucket holds it, "" where absent)
-  // and, where `again`, `kept` (the key has an undo entry of that attempt,
-  // which stands: it holds the row from before the step).  Reads only;
+  // it; StepUndo then keeps the rows it kept for that attempt), and `old`
+  // (each key's row as the bucket holds it, "" where absent).  Reads only;
   // throws what the client throws.
   void ReadBeforeStep(const Routed& keyed, const std::vector<char>& unread, const std::string& stamp,
-                      std::vector<std::vector<std::string>>* old, std::vector<std::vector<char>>* kept,
-                      std::vector<char>* again) const {
+                      std::vector<std::vector<std::string>>* old, std::vector<char>* again) const {
     const size_t nb = buckets_.size();
     constexpr size_t kStamp = static_cast<size_t>(-1);
     std::vector<resp::Command> reads;
     std::vector<std::pair<size_t, size_t>> at;  // per command: (t * nb + b, its first key in by_bucket[b] or kStamp)
-    auto hmget = [&](std::vector<resp::Command>* out, const std::string& hash, size_t tb, size_t b) {
-      const std::vector<int64_t>& keys = keyed.by_bucket[b];
-      for (size_t s = 0; s < keys.size(); s += chunk_) {
-        resp::Command c{hash, {"HMGET", hash}};
-        for (size_t j = s; j < std::min(s + chunk_, keys.size()); ++j) c.args.push_back(keyed.fields[keys[j]]);
-        out->push_back(std::move(c));
-        at.emplace_back(tb, s);
-      }
-    };
     for (size_t b = 0; b < nb; ++b) {
       if (keyed.by_bucket[b].empty()) continue;
       for (size_t t = 0; t < unread.size(); ++t) {
         if (!unread[t]) continue;
         const size_t tb = t * nb + b;
         (*old)[tb].assign(keyed.by_bucket[b].size(), std::string());
-        (*kept)[tb].assign(keyed.by_bucket[b].size(), 0);
         reads.push_back(resp::Command{StepKeyOf(t, b), {"GET", StepKeyOf(t, b)}});
         at.emplace_back(tb, kStamp);
-        hmget(&reads, BucketOf(t, b), tb, b);
+        const std::vector<int64_t>& keys = keyed.by_bucket[b];
+        for (size_t s = 0; s < keys.size(); s += chunk_) {
+          resp::Command c{BucketOf(t, b), {"HMGET", BucketOf(t, b)}};
+          for (size_t j = s; j < std::min(s + chunk_, keys.size()); ++j) c.args.push_back(keyed.fields[keys[j]]);
+          reads.push_back(std::move(c));
+          at.emplace_back(tb, s);
+        }
       }
     }
-    auto take = [&](const std::vector<resp::Command>& sent, size_t first, size_t c, const resp::Reply& r, bool undo) {
-      const auto [tb, s] = at[first + c];
-      const size_t count = std::min(chunk_, keyed.by_bucket[tb % nb].size() - s);
-      if (r.type != resp::Reply::kArray || r.elements.size() != count)
-        throw resp::Error("a malformed HMGET reply for " + std::string(sent[c].key), true);
-      for (size_t j = 0; j < count; ++j) {
-        const resp::Reply& v = r.elements[j];
-        if (undo)
-          (*kept)[tb][s + j] = v.type == resp::Reply::kBulk;
-        else
-          (*old)[tb][s + j] = v.type == resp::Reply::kBulk ? v.str : std::string();
-      }
-    };
     client_->Pipeline(reads, [&](size_t c, const resp::Reply& r) {
-      if (at[c].second == kStamp) {
-        (*again)[at[c].first] = r.type == resp::Reply::kBulk && r.str == stamp;
+      const auto [tb, s] = at[c];
+      if (s == kStamp) {
+        (*again)[tb] = r.type == resp::Reply::kBulk && r.str == stamp;
         return;
       }
-      take(reads, 0, c, r, false);
+      const size_t count = std::min(chunk_, keyed.by_bucket[tb % nb].size() - s);
+      if (r.type != resp::Reply::kArray || r.elements.size() != count)
+        throw resp::Error("a malformed HMGET reply for " + std::string(reads[c].key), true);
+      for (size_t j = 0; j < count; ++j) {
+        const resp::Reply& v = r.elements[j];
+        (*old)[tb][s + j] = v.type == resp::Reply::kBulk ? v.str : std::string();
+      }
     });
-    // Rare: the step is run again after an attempt that wrote some buckets.
-    std::vector<resp::Command> undo;
-    const size_t first = at.size();
-    for (size_t tb = 0; tb < again->size(); ++tb)
-      if (unread[tb / nb] && (*again)[tb]) hmget(&undo, UndoKeyOf(tb / nb, tb % nb), tb, tb % nb);
-    if (!undo.empty()) client_->Pipeline(undo, [&](size_t c, const resp::Reply& r) { take(undo, first, c, r, true); });
   }
 
   const std::string& BucketOf(size_t table, size_t bucket) const {
@@ -1100,9 +1158,6 @@ class RedisInsertGroupOp : public RedisOpBase {
   const std::string& StepKeyOf(size_t table, size_t bucket) const {
     return table == 0 ? step_keys_[bucket] : other_step_keys_[(table - 1) * buckets_.size() + bucket];
   }
-  const std::string& UndoKeyOf(size_t table, size_t bucket) const {
-    return table == 0 ? undo_keys_[bucket] : other_undo_keys_[(table - 1) * buckets_.size() + bucket];
-  }
 
   std::vector<DataType> other_dtypes_;
   std::vector<int64_t> other_dims_;
@@ -1110,7 +1165,6 @@ class RedisInsertGroupOp : public RedisOpBase {
   std::vector<std::string> other_names_;
   std::vector<std::string> other_count_keys_;  // WriteCountKey of other_buckets_, in their order
   std::vector<std::string> other_step_keys_;   // StepKey of other_buckets_
-  std::vector<std::string> other_undo_keys_;   // UndoKey of other_buckets_
   bool per_bucket_ = true;                     // cluster: one transaction per bucket (slot)
 };
 
@@ -1268,6 +1322,7 @@ class RedisAccumOp : public RedisScriptOp {
     if (n == 0) return;
     const Routed keyed = Route<TK>(keys);
     const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
+    StepReads::Forget(TableAt(buckets_[0]));
     const char* deltas = ctx->input(1).tensor_data().data();
     const char* init = ctx->input(2).tensor_data().data();
     std::deque<std::string> markers;
@@ -1308,6 +1363,7 @@ class RedisRemoveOp : public RedisScriptOp {
     removed->scalar<int64_t>()() = 0;
     if (keys.dim_size(0) == 0) return;
     const Routed keyed = Route<TK>(keys);
+    StepReads::Forget(TableAt(buckets_[0]));
     std::deque<std::string> markers;
     // ARGV: marker TTL, then the fields.
     const std::vector<resp::Command> commands = Commands(
@@ -1340,6 +1396,7 @@ class RedisBucketsOp : public RedisOpBase {
       : RedisOpBase(ctx), command_(command), what_(what) {}
 
   void Compute(OpKernelContext* ctx) override {
+    if (command_ == std::string_view("DEL")) StepReads::Forget(TableAt(buckets_[0]));
     std::vector<resp::Command> commands;
     for (const std::string& bucket : buckets_) commands.push_back(resp::Command{bucket, {command_, bucket}});
     std::vector<int64_t> counts(commands.size(), 0);
