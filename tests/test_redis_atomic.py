@@ -14,6 +14,7 @@ import redis_servers
 import tensorflow as tf
 
 import tfde
+from tfde.hashing import stable_hash_np
 from tfde.tables.cuckoo import CuckooTableCreator
 
 N = 3000  # keys per write: big enough that a write spans many reads on the server
@@ -368,13 +369,16 @@ def test_a_step_s_later_read_takes_the_rows_of_its_first_read(server):
     np.testing.assert_array_equal(exists.numpy(), (np.arange(300) < 200)[::-3])
 
 
-@pytest.mark.parametrize("write", ["insert", "insert_with", "accum", "remove", "clear"])
+@pytest.mark.parametrize("write", ["insert", "insert_with", "grouped", "accum", "remove", "clear", "reopen"])
 def test_a_write_between_a_step_s_reads_is_read_by_the_later_one(server, write):
     """A write of the table outside the step's own write (a user's upsert,
     accum or remove between the forward pass and apply_gradients, in the
-    same step) is what the step's later read returns: the table forgets the
-    rows its first read kept."""
-    table = _tables(server, f"between-{write}")[0]
+    same step; a grouped write outside a step; redis-py writing the rows,
+    then the table opened again, as model_tag_import does) is what the
+    step's later read returns: the table forgets the rows its first read
+    kept."""
+    tables = _tables(server, f"between-{write}")
+    table = tables[0]
     keys, rows = _batch([table], n=300)
     table.insert(keys, rows[0])
     step = tf.constant(3, tf.int64)
@@ -384,6 +388,16 @@ def test_a_write_between_a_step_s_reads_is_read_by_the_later_one(server, write):
         table.insert(keys, new)
     elif write == "insert_with":
         table.insert_with(keys, new, [])
+    elif write == "grouped":
+        _, others = _batch(tables[1:], n=300)
+        table.insert_with(keys, new, list(zip(tables[1:], others)))
+    elif write == "reopen":
+        ks = keys.numpy()
+        buckets = table._bucket_of(stable_hash_np(ks))
+        client = redis.Redis(port=server)
+        for field, b, row in zip(table._fields(ks), buckets, new.numpy()):
+            client.hset(table._buckets[b], field, row.tobytes())
+        table = _tables(server, f"between-{write}")[0]
     elif write == "accum":
         table.accum(keys, tf.fill([300, 8], 10.0), tfde.initializers.InitSpec("constant", 0.0, 0.0, 0))
     elif write == "remove":
@@ -397,3 +411,34 @@ def test_a_write_between_a_step_s_reads_is_read_by_the_later_one(server, write):
     else:
         assert exists.numpy().all()
         np.testing.assert_array_equal(values.numpy(), new.numpy())
+
+
+def test_a_step_run_again_on_fewer_keys_keeps_the_rows_from_before_the_step(server):
+    """A step's write fails after its transaction ran (here a slot table's
+    bucket holds a string: WRONGTYPE inside the transaction, the rest of it
+    applied), and the step is run again on a subset of its keys, which
+    succeeds: a read of that step still finds every key of the first
+    attempt as it was before the step.  Before, the run again was served
+    the first attempt's read, whose stamps said "not written", so it
+    dropped the rows kept for the keys it did not write, and those read the
+    first attempt's rows."""
+    tables = _tables(server, "fewer")
+    keys, before = _batch(tables, n=60)
+    _write(tables, keys, before)
+    step = tf.constant(12, tf.int64)
+    for t in tables:
+        t.find_to_update(keys, tf.zeros([1, t.dim], t.value_dtype), step)
+    client = redis.Redis(port=server)
+    client.set("fewer:emb-m:{1}", "not a hash")
+    first = [r + tf.cast(5, r.dtype) for r in before]
+    with pytest.raises(tfde.TfdeError, match="WRONGTYPE"):
+        tables[0].insert_with(keys, first[0], list(zip(tables[1:], first[1:])), step)
+    client.delete("fewer:emb-m:{1}")
+    some = keys[::3]
+    for t in tables:
+        t.find_to_update(some, tf.zeros([1, t.dim], t.value_dtype), step)
+    again = [tf.gather(r, tf.range(0, 60, 3)) + tf.cast(7, r.dtype) for r in before]
+    tables[0].insert_with(some, again[0], list(zip(tables[1:], again[1:])), step)
+    values, exists = tables[0].find_to_update(keys, tf.zeros([1, 8]), step)
+    assert exists.numpy().all()
+    np.testing.assert_array_equal(values.numpy(), before[0].numpy())

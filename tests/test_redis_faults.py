@@ -728,12 +728,13 @@ def test_a_step_that_failed_part_way_and_is_run_again_applies_once(tag, at, seco
     on the same batch: the end state (rows, Adam's m and v, the policy
     scores, the dense weight) equals an uninterrupted run's.  The step run
     again reads what its first attempt wrote as it was before (the step
-    stamps and undo entries), so it computes the same update and applies it
+    stamps, and the rows the process kept from before the step), so it
+    computes the same update and applies it
     once.  Before, the buckets the first attempt had written were updated a
     second time.  With `second`, the step run again fails too, at that
     later point (after writing the user Variable once more), and a third
-    attempt follows: the second must keep the undo entries the first made,
-    not save the rows the first attempt wrote over them (`second` is a
+    attempt follows: the second must keep the rows the first kept, not keep
+    the rows the first attempt wrote over them (`second` is a
     point of the commands of the step run again, which are fewer: a probe
     run on tables of their own counts them)."""
     batches = _batches()
@@ -774,9 +775,9 @@ def test_a_step_run_again_is_applied_once_while_another_process_writes_the_same_
     same buckets.  Here the first fails step 4 part-way (after its user
     Variable's write), the second trains a step on its own keys in between,
     and the first runs its step again: its keys end as in a run without the
-    second process.  Each process keeps its own step stamps and undo
-    entries (before, they were one key per bucket, and the second process's
-    write wiped the first one's undo entries)."""
+    second process.  Each process keeps its own step stamps and rows from
+    before the step (once, the stamps and undo entries were one key per
+    bucket, and the second process's write wiped the first one's)."""
     import subprocess
     import sys
     from pathlib import Path

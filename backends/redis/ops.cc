@@ -213,9 +213,12 @@ class WriteCounts {
 // keep them, without asking the server again.  Only the latest read of a
 // table is kept; a read or write takes it when it is of the same step and
 // holds every key asked, else it asks the server.  Any other write of the
-// table by this process forgets it (Forget).  Another process writing the
-// same keys within the step is not seen; in a job each key has one writer
-// (docs/redis.md, "A step's rows, read once").
+// table by this process forgets it (Forget, before and after the write),
+// and a read that was under way meanwhile is not kept: Put keeps a read
+// only if no Forget of its table (nor ForgetAll) came since the read began
+// (Generation).  Another process writing the same keys within the step is
+// not seen; in a job each key has one writer (docs/redis.md, "A step's
+// rows, read once").
 class StepReads {
  public:
   struct Read {
@@ -225,30 +228,42 @@ class StepReads {
     Tensor rows, exists;
     std::unordered_map<std::string_view, int64_t> where;  // field -> its row; views of `fields`
   };
-  // `at`: the table (TableAt).  Indexes the read's fields first.
-  static void Put(const std::string& at, std::shared_ptr<Read> read) {
+  // Where the writes of table `at` (TableAt) stand: taken before a read
+  // asks the server, and handed to Put with it.
+  static std::pair<uint64_t, uint64_t> Generation(const std::string& at) {
+    std::lock_guard<std::mutex> lock(Mu());
+    auto it = Generations().find(at);
+    return {Epoch(), it == Generations().end() ? 0 : it->second};
+  }
+  // Keeps `read` of table `at`, begun at `generation`, unless the table was
+  // written (Forget) since.  Indexes the read's fields first.
+  static void Put(const std::string& at, std::pair<uint64_t, uint64_t> generation, std::shared_ptr<Read> read) {
     read->where.reserve(read->fields.size());
     for (size_t i = 0; i < read->fields.size(); ++i) read->where[read->fields[i]] = static_cast<int64_t>(i);
     std::lock_guard<std::mutex> lock(Mu());
+    auto it = Generations().find(at);
+    if (generation != std::make_pair(Epoch(), it == Generations().end() ? uint64_t{0} : it->second)) return;
     Kept()[at] = std::move(read);
   }
   // Forgets the read of `at`, whatever its step: the table is written
-  // outside a step's write.
+  // outside a step's write (called before and after that write).
   static void Forget(const std::string& at) {
     std::lock_guard<std::mutex> lock(Mu());
+    ++Generations()[at];
     Kept().erase(at);
+  }
+  // Forgets every kept read: a table was opened (it may be one of the same
+  // name made afresh) or written by another client of this process.
+  static void ForgetAll() {
+    std::lock_guard<std::mutex> lock(Mu());
+    ++Epoch();
+    Kept().clear();
   }
   static std::shared_ptr<const Read> Get(const std::string& at, int64_t step) {
     std::lock_guard<std::mutex> lock(Mu());
     auto it = Kept().find(at);
     if (it == Kept().end() || it->second->step != step) return nullptr;
     return it->second;
-  }
-  // Forgets the read of `at` once a write of its step took it.
-  static void Drop(const std::string& at, int64_t step) {
-    std::lock_guard<std::mutex> lock(Mu());
-    auto it = Kept().find(at);
-    if (it != Kept().end() && it->second->step == step) Kept().erase(it);
   }
 
  private:
@@ -259,6 +274,14 @@ class StepReads {
   static std::map<std::string, std::shared_ptr<const Read>>& Kept() {
     static std::map<std::string, std::shared_ptr<const Read>> kept;
     return kept;
+  }
+  static std::map<std::string, uint64_t>& Generations() {
+    static std::map<std::string, uint64_t> generations;
+    return generations;
+  }
+  static uint64_t& Epoch() {
+    static uint64_t epoch = 0;
+    return epoch;
   }
 };
 
@@ -275,17 +298,21 @@ class StepReads {
 class StepUndo {
  public:
   // Keeps `old[j]`, the row before step `step` of key `fields[at[j]]`
-  // (moved from).  `fresh`: the bucket is not stamped with this step, so
-  // rows kept for it before go; else a key's kept row stands.
-  static void Keep(const std::string& bucket, int64_t step, bool fresh, const std::vector<std::string>& fields,
+  // (moved from).  Rows kept for an earlier step go; of this step, a key's
+  // kept row stands (an earlier attempt kept the row from before the step).
+  // `stamped`: an attempt of this step wrote the bucket; then its rows must
+  // be kept already, and false is returned if they are not.
+  static bool Keep(const std::string& bucket, int64_t step, bool stamped, const std::vector<std::string>& fields,
                    const std::vector<int64_t>& at, std::vector<std::string>* old) {
     std::lock_guard<std::mutex> lock(Mu());
     Rows& kept = Kept()[bucket];
-    if (fresh || kept.step != step) {
+    if (kept.step != step) {
+      if (stamped) return false;
       kept.step = step;
       kept.old.clear();
     }
     for (size_t j = 0; j < at.size(); ++j) kept.old.try_emplace(fields[at[j]], std::move((*old)[j]));
+    return true;
   }
   // Calls take(j, row) for each key fields[at[j]] with a row kept for step
   // `step` (the row, "" if the key was not stored); false if nothing is kept
@@ -539,6 +566,26 @@ class RedisOpBase : public OpKernel {
     std::map<std::string, Count> seen_;
   };
 
+  // Forgets a table's kept read (StepReads) when made and again when gone:
+  // held around every write of the table.
+  class Forgetting {
+   public:
+    explicit Forgetting(std::string at) : at_(std::move(at)) { StepReads::Forget(at_); }
+    ~Forgetting() { StepReads::Forget(at_); }
+    Forgetting(const Forgetting&) = delete;
+    Forgetting& operator=(const Forgetting&) = delete;
+
+   private:
+    std::string at_;
+  };
+
+  // Why a bucket stamped with a step of this process cannot be read or
+  // written as it was before that step.
+  static std::string NothingKept(const std::string& bucket, int64_t step) {
+    return "bucket " + bucket + " is stamped with step " + std::to_string(step) +
+           " of this process, but the process kept no rows of it from before that step";
+  }
+
   // Where StepReads keeps the reads of the table whose first bucket is
   // `bucket`: the servers and database too (two databases of a server may
   // hold tables of one name).
@@ -577,6 +624,7 @@ class RedisFindOp : public RedisOpBase {
     OP_REQUIRES_OK(ctx, ReadStep(ctx, 2, &step));
     Routed keyed = Route<TK>(keys);  // its fields go to StepReads at the end
     if (step >= 0 && FromStepReads(ctx, keyed, step, missing, values, exists)) return;
+    const auto generation = StepReads::Generation(TableAt(buckets_[0]));  // before the server is asked
     // One HMGET per (bucket, chunk of keys); positions[c] = the keys of
     // command c.  A training step's read (step >= 0) also asks each bucket's
     // step stamp (bucket_of[c] says whose; -1 for an HMGET).
@@ -641,9 +689,7 @@ class RedisFindOp : public RedisOpBase {
                                                   [&](size_t j, const std::string& row) {
                                                     put(at[j], row.empty() ? nullptr : &row, buckets_[b]);
                                                   }))
-                throw std::logic_error("bucket " + buckets_[b] + " is stamped with step " + std::to_string(step) +
-                                       " of this process, but the process kept no rows of it from "
-                                       "before that step");
+                throw resp::Error(NothingKept(buckets_[b], step), resp::ErrorKind::kRefused);
             }
           } catch (const std::exception& e) {
             Fail(ctx, "find", e);
@@ -657,7 +703,7 @@ class RedisFindOp : public RedisOpBase {
     read->fields = std::move(keyed.fields);  // the commands holding views of them are done
     read->rows = *values;
     read->exists = *exists;
-    StepReads::Put(TableAt(buckets_[0]), std::move(read));
+    StepReads::Put(TableAt(buckets_[0]), generation, std::move(read));
   }
 
  private:
@@ -718,7 +764,7 @@ class RedisInsertOp : public RedisOpBase {
     written->scalar<int64_t>()() = n;
     if (n == 0) return;
     const Routed keyed = Route<TK>(keys);
-    StepReads::Forget(TableAt(buckets_[0]));
+    const Forgetting forgetting(TableAt(buckets_[0]));
     const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
     const char* rows = values.tensor_data().data();
     // One HSET per (bucket, chunk of keys), field value pairs in batch order:
@@ -936,9 +982,12 @@ class RedisInsertGroupOp : public RedisOpBase {
     std::vector<std::vector<std::string>> old(tables * nb);
     std::vector<char> again(tables * nb, 0);
     std::vector<char> unread(tables, step >= 0 ? 1 : 0);
-    for (size_t t = 0; step < 0 && t < tables; ++t) StepReads::Forget(TableAt(BucketOf(t, 0)));
     for (size_t t = 0; step >= 0 && t < tables; ++t)
       unread[t] = !FromStepReads(keyed, t, step, row_bytes[t], &old, &again);
+    // From here the tables' kept reads are forgotten, and again when the
+    // write is done (it may apply in part and fail).
+    std::vector<std::unique_ptr<Forgetting>> forgetting;
+    for (size_t t = 0; t < tables; ++t) forgetting.push_back(std::make_unique<Forgetting>(TableAt(BucketOf(t, 0))));
     if (std::find(unread.begin(), unread.end(), 1) != unread.end()) {
       try {
         ReadBeforeStep(keyed, unread, stamp, &old, &again);
@@ -947,10 +996,14 @@ class RedisInsertGroupOp : public RedisOpBase {
         return;
       }
     }
-    for (size_t tb = 0; step >= 0 && tb < tables * nb; ++tb)
-      if (!keyed.by_bucket[tb % nb].empty())
-        StepUndo::Keep(TableAt(BucketOf(tb / nb, tb % nb)), step, !again[tb], keyed.fields, keyed.by_bucket[tb % nb],
-                       &old[tb]);
+    for (size_t tb = 0; step >= 0 && tb < tables * nb; ++tb) {
+      const std::string& bucket = BucketOf(tb / nb, tb % nb);
+      if (!keyed.by_bucket[tb % nb].empty() &&
+          !StepUndo::Keep(TableAt(bucket), step, again[tb], keyed.fields, keyed.by_bucket[tb % nb], &old[tb])) {
+        Fail(ctx, what.c_str(), resp::Error(NothingKept(bucket, step), resp::ErrorKind::kRefused));
+        return;  // nothing was written
+      }
+    }
 
     // commands: per transaction MULTI, its commands, EXEC.  role[c] is -1
     // for a MULTI, -2 for an EXEC, else the index into queued[tx_of[c]] of
@@ -1062,7 +1115,6 @@ class RedisInsertGroupOp : public RedisOpBase {
         Fail(ctx, what.c_str(), resp::Error(p, resp::ErrorKind::kRefused));
         return;
       }
-    for (size_t t = 0; step >= 0 && t < tables; ++t) StepReads::Drop(TableAt(BucketOf(t, 0)), step);
     const std::string lost = counts.Check();
     if (!lost.empty()) Fail(ctx, what.c_str(), resp::Error(lost, resp::ErrorKind::kTableLost));
   }
@@ -1076,8 +1128,9 @@ class RedisInsertGroupOp : public RedisOpBase {
                      std::vector<std::vector<std::string>>* old, std::vector<char>* again) const {
     const std::shared_ptr<const StepReads::Read> read = StepReads::Get(TableAt(BucketOf(t, 0)), step);
     const size_t nb = buckets_.size();
-    if (read == nullptr || read->again.size() != nb || read->rows.dims() != 2 ||
-        static_cast<size_t>(read->rows.dim_size(1)) * ::tensorflow::DataTypeSize(read->rows.dtype()) != row_bytes)
+    const DataType dtype = t == 0 ? value_dtype_ : other_dtypes_[t - 1];
+    if (read == nullptr || read->again.size() != nb || read->rows.dtype() != dtype || read->rows.dims() != 2 ||
+        static_cast<size_t>(read->rows.dim_size(1)) * ::tensorflow::DataTypeSize(dtype) != row_bytes)
       return false;
     const auto& where = read->where;
     const char* rows = read->rows.tensor_data().data();
@@ -1322,7 +1375,7 @@ class RedisAccumOp : public RedisScriptOp {
     if (n == 0) return;
     const Routed keyed = Route<TK>(keys);
     const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
-    StepReads::Forget(TableAt(buckets_[0]));
+    const Forgetting forgetting(TableAt(buckets_[0]));
     const char* deltas = ctx->input(1).tensor_data().data();
     const char* init = ctx->input(2).tensor_data().data();
     std::deque<std::string> markers;
@@ -1363,7 +1416,7 @@ class RedisRemoveOp : public RedisScriptOp {
     removed->scalar<int64_t>()() = 0;
     if (keys.dim_size(0) == 0) return;
     const Routed keyed = Route<TK>(keys);
-    StepReads::Forget(TableAt(buckets_[0]));
+    const Forgetting forgetting(TableAt(buckets_[0]));
     std::deque<std::string> markers;
     // ARGV: marker TTL, then the fields.
     const std::vector<resp::Command> commands = Commands(
@@ -1396,7 +1449,8 @@ class RedisBucketsOp : public RedisOpBase {
       : RedisOpBase(ctx), command_(command), what_(what) {}
 
   void Compute(OpKernelContext* ctx) override {
-    if (command_ == std::string_view("DEL")) StepReads::Forget(TableAt(buckets_[0]));
+    std::unique_ptr<Forgetting> forgetting;
+    if (command_ == std::string_view("DEL")) forgetting = std::make_unique<Forgetting>(TableAt(buckets_[0]));
     std::vector<resp::Command> commands;
     for (const std::string& bucket : buckets_) commands.push_back(resp::Command{bucket, {command_, bucket}});
     std::vector<int64_t> counts(commands.size(), 0);
@@ -1693,3 +1747,8 @@ extern "C" __attribute__((visibility("default"))) int tfde_redis_register_creden
 extern "C" __attribute__((visibility("default"))) int tfde_redis_backoff_ms(int failures) {
   return tfde::resp::BackoffMs(failures);
 }
+
+// Forgets every training read this process kept (StepReads): called when a
+// Redis table is opened, which may be a table of the same name made afresh
+// or filled by redis-py (tfde/tables/redis_table.py).
+extern "C" __attribute__((visibility("default"))) void tfde_redis_forget_reads() { tfde::StepReads::ForgetAll(); }

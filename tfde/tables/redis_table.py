@@ -200,6 +200,17 @@ PASSWORD_ENV = "TFDE_REDIS_PASSWORD"
 SENTINEL_PASSWORD_ENV = "TFDE_REDIS_SENTINEL_PASSWORD"
 
 
+def _forget_kept_reads() -> None:
+    """Has the native ops forget the training reads they kept (docs/redis.md,
+    "A step's rows, read once"; tfde_redis_forget_reads in
+    backends/redis/ops.cc, called with ctypes on the loaded op library): a
+    table being opened may be one of the same name made afresh, or one that
+    redis-py just filled (model_tag_import)."""
+    lib = ctypes.CDLL(str(_native.loaded_path()), mode=os.RTLD_NOW | os.RTLD_NOLOAD)
+    lib.tfde_redis_forget_reads.restype = None
+    lib.tfde_redis_forget_reads()
+
+
 def _connect(cfg: RedisTableConfig):
     """The redis-py client of a creator's tables, for the config's connection
     mode.  It talks to the master only (opening tables, the import, expiry);
@@ -588,6 +599,7 @@ class RedisTable(Table, trackable_base.Trackable):
         )
         self._call("open", lambda: _check_credentials(config, self._client))
         self._open_meta()
+        _forget_kept_reads()
         self._watch()
         self._keys = self._buckets + [write_count_key(b) for b in self._buckets] + [self._meta_key]
         self._call("open", lambda: [self._client.persist(k) for k in self._keys])
