@@ -232,8 +232,7 @@ class StepReads {
   // asks the server, and handed to Put with it.
   static std::pair<uint64_t, uint64_t> Generation(const std::string& at) {
     std::lock_guard<std::mutex> lock(Mu());
-    auto it = Generations().find(at);
-    return {Epoch(), it == Generations().end() ? 0 : it->second};
+    return GenerationLocked(at);
   }
   // Keeps `read` of table `at`, begun at `generation`, unless the table was
   // written (Forget) since.  Indexes the read's fields first.
@@ -241,8 +240,7 @@ class StepReads {
     read->where.reserve(read->fields.size());
     for (size_t i = 0; i < read->fields.size(); ++i) read->where[read->fields[i]] = static_cast<int64_t>(i);
     std::lock_guard<std::mutex> lock(Mu());
-    auto it = Generations().find(at);
-    if (generation != std::make_pair(Epoch(), it == Generations().end() ? uint64_t{0} : it->second)) return;
+    if (generation != GenerationLocked(at)) return;
     Kept()[at] = std::move(read);
   }
   // Forgets the read of `at`, whatever its step: the table is written
@@ -259,14 +257,36 @@ class StepReads {
     ++Epoch();
     Kept().clear();
   }
-  static std::shared_ptr<const Read> Get(const std::string& at, int64_t step) {
-    std::lock_guard<std::mutex> lock(Mu());
-    auto it = Kept().find(at);
-    if (it == Kept().end() || it->second->step != step) return nullptr;
-    return it->second;
+  // Step `step`'s kept read of table `at` if it holds rows of `dtype` and
+  // `dim` in `buckets` buckets for every one of `fields`; (*from)[i] is then
+  // the row of fields[i] in it.  Null otherwise.
+  static std::shared_ptr<const Read> Holding(const std::string& at, int64_t step, DataType dtype, int64_t dim,
+                                             size_t buckets, const std::vector<std::string>& fields,
+                                             std::vector<int64_t>* from) {
+    std::shared_ptr<const Read> read;
+    {
+      std::lock_guard<std::mutex> lock(Mu());
+      auto it = Kept().find(at);
+      if (it != Kept().end() && it->second->step == step) read = it->second;
+    }
+    if (read == nullptr || read->again.size() != buckets || read->rows.dtype() != dtype || read->rows.dims() != 2 ||
+        read->rows.dim_size(1) != dim)
+      return nullptr;
+    from->resize(fields.size());
+    for (size_t i = 0; i < fields.size(); ++i) {
+      auto it = read->where.find(fields[i]);
+      if (it == read->where.end()) return nullptr;
+      (*from)[i] = it->second;
+    }
+    return read;
   }
 
  private:
+  // Generation of `at`; Mu() held.
+  static std::pair<uint64_t, uint64_t> GenerationLocked(const std::string& at) {
+    auto it = Generations().find(at);
+    return {Epoch(), it == Generations().end() ? 0 : it->second};
+  }
   static std::mutex& Mu() {
     static std::mutex mu;
     return mu;
@@ -566,17 +586,21 @@ class RedisOpBase : public OpKernel {
     std::map<std::string, Count> seen_;
   };
 
-  // Forgets a table's kept read (StepReads) when made and again when gone:
-  // held around every write of the table.
+  // Forgets the tables' kept reads (StepReads) when made and again when
+  // gone: held around every write of the tables.
   class Forgetting {
    public:
-    explicit Forgetting(std::string at) : at_(std::move(at)) { StepReads::Forget(at_); }
-    ~Forgetting() { StepReads::Forget(at_); }
+    explicit Forgetting(std::vector<std::string> tables) : tables_(std::move(tables)) {
+      for (const std::string& at : tables_) StepReads::Forget(at);
+    }
+    ~Forgetting() {
+      for (const std::string& at : tables_) StepReads::Forget(at);
+    }
     Forgetting(const Forgetting&) = delete;
     Forgetting& operator=(const Forgetting&) = delete;
 
    private:
-    std::string at_;
+    std::vector<std::string> tables_;
   };
 
   // Why a bucket stamped with a step of this process cannot be read or
@@ -713,17 +737,11 @@ class RedisFindOp : public RedisOpBase {
   // zeros where the optimizer's read needs the initializer).
   bool FromStepReads(OpKernelContext* ctx, const Routed& keyed, int64_t step, const MissingRows& missing,
                      Tensor* values, Tensor* exists) const {
-    const std::shared_ptr<const StepReads::Read> read = StepReads::Get(TableAt(buckets_[0]), step);
-    if (read == nullptr || read->rows.dtype() != value_dtype_ || read->rows.dims() != 2 ||
-        read->rows.dim_size(1) != dim_)
-      return false;
+    std::vector<int64_t> from;
+    const std::shared_ptr<const StepReads::Read> read =
+        StepReads::Holding(TableAt(buckets_[0]), step, value_dtype_, dim_, buckets_.size(), keyed.fields, &from);
+    if (read == nullptr) return false;
     const int64_t n = static_cast<int64_t>(keyed.fields.size());
-    std::vector<int64_t> from(n);
-    for (int64_t i = 0; i < n; ++i) {
-      auto it = read->where.find(keyed.fields[i]);
-      if (it == read->where.end()) return false;
-      from[i] = it->second;
-    }
     const bool* stored = read->exists.flat<bool>().data();
     bool* ex = exists->flat<bool>().data();
     ctx->SetStatus(WithValueType(value_dtype_, [&](auto v) {
@@ -764,7 +782,7 @@ class RedisInsertOp : public RedisOpBase {
     written->scalar<int64_t>()() = n;
     if (n == 0) return;
     const Routed keyed = Route<TK>(keys);
-    const Forgetting forgetting(TableAt(buckets_[0]));
+    const Forgetting forgetting({TableAt(buckets_[0])});
     const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
     const char* rows = values.tensor_data().data();
     // One HSET per (bucket, chunk of keys), field value pairs in batch order:
@@ -986,8 +1004,9 @@ class RedisInsertGroupOp : public RedisOpBase {
       unread[t] = !FromStepReads(keyed, t, step, row_bytes[t], &old, &again);
     // From here the tables' kept reads are forgotten, and again when the
     // write is done (it may apply in part and fail).
-    std::vector<std::unique_ptr<Forgetting>> forgetting;
-    for (size_t t = 0; t < tables; ++t) forgetting.push_back(std::make_unique<Forgetting>(TableAt(BucketOf(t, 0))));
+    std::vector<std::string> kept_at;
+    for (size_t t = 0; t < tables; ++t) kept_at.push_back(TableAt(BucketOf(t, 0)));
+    const Forgetting forgetting(std::move(kept_at));
     if (std::find(unread.begin(), unread.end(), 1) != unread.end()) {
       try {
         ReadBeforeStep(keyed, unread, stamp, &old, &again);
@@ -1126,13 +1145,12 @@ class RedisInsertGroupOp : public RedisOpBase {
   // step wrote, that read returned the rows kept from before the step.
   bool FromStepReads(const Routed& keyed, size_t t, int64_t step, size_t row_bytes,
                      std::vector<std::vector<std::string>>* old, std::vector<char>* again) const {
-    const std::shared_ptr<const StepReads::Read> read = StepReads::Get(TableAt(BucketOf(t, 0)), step);
     const size_t nb = buckets_.size();
-    const DataType dtype = t == 0 ? value_dtype_ : other_dtypes_[t - 1];
-    if (read == nullptr || read->again.size() != nb || read->rows.dtype() != dtype || read->rows.dims() != 2 ||
-        static_cast<size_t>(read->rows.dim_size(1)) * ::tensorflow::DataTypeSize(dtype) != row_bytes)
-      return false;
-    const auto& where = read->where;
+    std::vector<int64_t> from;
+    const std::shared_ptr<const StepReads::Read> read =
+        StepReads::Holding(TableAt(BucketOf(t, 0)), step, t == 0 ? value_dtype_ : other_dtypes_[t - 1],
+                           t == 0 ? dim_ : other_dims_[t - 1], nb, keyed.fields, &from);
+    if (read == nullptr) return false;
     const char* rows = read->rows.tensor_data().data();
     const bool* stored = read->exists.flat<bool>().data();
     std::vector<std::vector<std::string>> found(nb);
@@ -1141,12 +1159,8 @@ class RedisInsertGroupOp : public RedisOpBase {
       if (at.empty()) continue;
       if (read->again[b] < 0) return false;
       found[b].reserve(at.size());
-      for (int64_t i : at) {
-        auto it = where.find(keyed.fields[i]);
-        if (it == where.end()) return false;
-        const int64_t r = it->second;
-        found[b].push_back(stored[r] ? std::string(rows + r * row_bytes, row_bytes) : std::string());
-      }
+      for (int64_t i : at)
+        found[b].push_back(stored[from[i]] ? std::string(rows + from[i] * row_bytes, row_bytes) : std::string());
     }
     for (size_t b = 0; b < nb; ++b) {
       if (keyed.by_bucket[b].empty()) continue;
@@ -1375,7 +1389,7 @@ class RedisAccumOp : public RedisScriptOp {
     if (n == 0) return;
     const Routed keyed = Route<TK>(keys);
     const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
-    const Forgetting forgetting(TableAt(buckets_[0]));
+    const Forgetting forgetting({TableAt(buckets_[0])});
     const char* deltas = ctx->input(1).tensor_data().data();
     const char* init = ctx->input(2).tensor_data().data();
     std::deque<std::string> markers;
@@ -1416,7 +1430,7 @@ class RedisRemoveOp : public RedisScriptOp {
     removed->scalar<int64_t>()() = 0;
     if (keys.dim_size(0) == 0) return;
     const Routed keyed = Route<TK>(keys);
-    const Forgetting forgetting(TableAt(buckets_[0]));
+    const Forgetting forgetting({TableAt(buckets_[0])});
     std::deque<std::string> markers;
     // ARGV: marker TTL, then the fields.
     const std::vector<resp::Command> commands = Commands(
@@ -1449,8 +1463,8 @@ class RedisBucketsOp : public RedisOpBase {
       : RedisOpBase(ctx), command_(command), what_(what) {}
 
   void Compute(OpKernelContext* ctx) override {
-    std::unique_ptr<Forgetting> forgetting;
-    if (command_ == std::string_view("DEL")) forgetting = std::make_unique<Forgetting>(TableAt(buckets_[0]));
+    const Forgetting forgetting(command_ == std::string_view("DEL") ? std::vector<std::string>{TableAt(buckets_[0])}
+                                                                    : std::vector<std::string>{});
     std::vector<resp::Command> commands;
     for (const std::string& bucket : buckets_) commands.push_back(resp::Command{bucket, {command_, bucket}});
     std::vector<int64_t> counts(commands.size(), 0);
