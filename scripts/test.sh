@@ -67,7 +67,7 @@ export TF_CPP_MIN_LOG_LEVEL=2
 if [ "$FAST" = 1 ]; then
   "$VENV/bin/tfde" build
   echo "=== fast tier: Keras 3 (TF 2.21), no test that starts a process"
-  exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --ignore=tests/horovod -m "not slow" "$@"
+  exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod -m "not slow" "$@"
 fi
 
 # The Horovod environment (TF 2.16.2 + tf-keras + Horovod 0.28.1 with gloo),
@@ -111,11 +111,11 @@ export TFRA_PYTHON="$TFRA_VENV/bin/python"
 
 status=0
 echo "=== Keras 3 (TF 2.21)"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider --ignore=tests/horovod "$@" || status=$?
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod "$@" || status=$?
 echo "=== tf-keras (TF_USE_LEGACY_KERAS=1): Keras-facing tests"
-TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --ignore=tests/horovod -m keras "$@" \
+TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod -m keras "$@" \
   || status=$?
 echo "=== Horovod (TF 2.16.2, tf-keras, horovodrun on loopback)"
-PATH="$HVENV/bin:$PATH" TF_USE_LEGACY_KERAS=1 "$HVENV/bin/python" -m pytest -q -p no:cacheprovider tests/horovod "$@" \
+PATH="$HVENV/bin:$PATH" TF_USE_LEGACY_KERAS=1 "$HVENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/horovod "$@" \
   || status=$?
 exit $status

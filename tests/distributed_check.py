@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -29,6 +30,15 @@ def run_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None, load_
     """Runs the job with `workers` processes (MultiWorkerMirroredStrategy on
     loopback, or horovodrun for engine 'hvd'); returns load() of its files
     (None with load_out=False)."""
+    return run_together(start_job(tmp_path, workers, engine, optimizer, layout, tag, extra), load_out=load_out)[0]
+
+
+def start_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None):
+    """Starts the job (run_job's arguments) and returns it unfinished, for
+    run_together.  Its files, config and log are named after its "out"
+    (default out{workers}), so jobs of one test that name different outs
+    can run at once; its Redis tag is "{tag}-{workers}" unless extra's
+    "redis" names another."""
     ports = [free_port() for _ in range(workers)]
     cfg = {
         "workers": workers,
@@ -42,7 +52,8 @@ def run_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None, load_
         "out": str(tmp_path / f"out{workers}"),
         **(extra or {}),
     }
-    path = tmp_path / f"cfg{workers}.json"
+    name = Path(cfg["out"]).name
+    path = tmp_path / f"cfg-{name}.json"
     path.write_text(json.dumps(cfg))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(JOB.parent.parent)}
     if engine == "hvd" and workers > 1:
@@ -62,23 +73,53 @@ def run_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None, load_
         ]
     else:
         commands = [[sys.executable, str(JOB), str(path), str(i)] for i in range(workers)]
-    procs = [
-        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for c in commands
-    ]
-    outputs = []
+    # Output to files, not pipes: a worker (or a job beside this one) that
+    # writes more than a pipe holds while nobody reads it would stall.
+    logs = [tmp_path / f"{name}-w{i}.log" for i in range(len(commands))]
+    procs = []
+    for command, log in zip(commands, logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, env=env))
+    return _Job(cfg, procs, logs)
+
+
+def run_one_and_two(tmp_path, engine, optimizer, layout, tag, extra=None):
+    """The job with 1 worker (the reference) and with 2, at once; returns
+    (load() of one, load() of two)."""
+    jobs = [start_job(tmp_path, n, engine, optimizer, layout, tag, extra) for n in (1, 2)]
+    return tuple(run_together(*jobs))
+
+
+class _Job:
+    def __init__(self, cfg, procs, logs):
+        self.cfg, self.procs, self.logs = cfg, procs, logs
+
+
+def run_together(*jobs, load_out=True):
+    """Waits for jobs from start_job, which run at once (a 1-worker
+    reference beside its 2-worker run: most of a job is one process's
+    TensorFlow import and tracing, so two jobs on two cores take little more
+    than the longer one); returns load() of each one's files, in order.  A
+    job that fails raises JobFailed and stops the others."""
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
+        for job in jobs:
+            for p in job.procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for p in procs:
-            p.kill()
-    for i, (p, out) in enumerate(zip(procs, outputs)):
-        if p.returncode != 0:
-            every = "\n".join(
-                f"--- worker {j} (exit {q.returncode}):\n{o}" for j, (q, o) in enumerate(zip(procs, outputs))
-            )
-            raise JobFailed(f"worker {i} of {workers} failed (exit {p.returncode}):\n{out[-4000:]}", out, every)
-    return load(cfg["out"]) if load_out else None
+        for job in jobs:
+            for p in job.procs:
+                p.kill()
+    for job in jobs:
+        outputs = [log.read_text(errors="replace") for log in job.logs]
+        workers = job.cfg["workers"]
+        for i, (p, out) in enumerate(zip(job.procs, outputs)):
+            if p.returncode != 0:
+                every = "\n".join(
+                    f"--- worker {j} (exit {q.returncode}):\n{o}" for j, (q, o) in enumerate(zip(job.procs, outputs))
+                )
+                raise JobFailed(f"worker {i} of {workers} failed (exit {p.returncode}):\n{out[-4000:]}", out, every)
+    return [load(job.cfg["out"]) if load_out else None for job in jobs]
 
 
 class JobFailed(AssertionError):
@@ -167,13 +208,17 @@ PLAN_CASES = [
 ]
 
 
-def run_plans(tmp_path, workers, engine, tag, plans, layout="cuckoo", extra=None):
-    """The many-feature model trained on every (placement, threshold) of
-    `plans` in one job of `workers` processes (one model after the other);
-    returns load() of each plan's files, in order."""
+def start_plans(tmp_path, workers, engine, tag, plans, layout="cuckoo", extra=None):
+    """Starts the many-feature model trained on every (placement, threshold)
+    of `plans` in one job of `workers` processes (one model after the
+    other); plans_of() loads each plan's files once it is done."""
     extra = {"model": "many", "plans": [list(p) for p in plans], **(extra or {})}
-    run_job(tmp_path, workers, engine, "adam", layout, tag, extra=extra, load_out=False)
-    return [load(str(tmp_path / f"out{workers}-plan{i}")) for i in range(len(plans))]
+    return start_job(tmp_path, workers, engine, "adam", layout, tag, extra=extra)
+
+
+def plans_of(tmp_path, workers, count):
+    """load() of each plan's files of a start_plans job, in order."""
+    return [load(str(tmp_path / f"out{workers}-plan{i}")) for i in range(count)]
 
 
 def check_plans_like_one_worker(tmp_path, engine, tag):
@@ -182,8 +227,13 @@ def check_plans_like_one_worker(tmp_path, engine, tag):
     result depends only on the column slicing (every placement puts
     everything on worker 0), so it runs once per slicing."""
     thresholds = sorted({t for _, t in PLAN_CASES}, key=str)
-    ones = dict(zip(thresholds, run_plans(tmp_path, 1, engine, tag, [("rows", t) for t in thresholds])))
-    twos = run_plans(tmp_path, 2, engine, tag, PLAN_CASES)
+    run_together(
+        start_plans(tmp_path, 1, engine, tag, [("rows", t) for t in thresholds]),
+        start_plans(tmp_path, 2, engine, tag, PLAN_CASES),
+        load_out=False,
+    )
+    ones = dict(zip(thresholds, plans_of(tmp_path, 1, len(thresholds))))
+    twos = plans_of(tmp_path, 2, len(PLAN_CASES))
     for number, ((placement, threshold), two) in enumerate(zip(PLAN_CASES, twos)):
         try:
             check_equal(ones[threshold], two)

@@ -17,6 +17,9 @@ from distributed_check import (
     check_sharded,
     redis_tag,
     run_job,
+    run_one_and_two,
+    run_together,
+    start_job,
 )
 
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
@@ -41,8 +44,7 @@ CASES = (
 @pytest.mark.keras
 @pytest.mark.parametrize("engine,optimizer,layout", CASES)
 def test_two_workers_equal_one_worker_on_the_combined_batch(tmp_path, tag, engine, optimizer, layout):
-    one = run_job(tmp_path, 1, engine, optimizer, layout, tag)
-    two = run_job(tmp_path, 2, engine, optimizer, layout, tag)
+    one, two = run_one_and_two(tmp_path, engine, optimizer, layout, tag)
     check_equal(one, two)
     expected = {"user_emb", "item_emb"} | (
         {"user_emb/m", "user_emb/v", "item_emb/m", "item_emb/v"} if optimizer == "adam" else set()
@@ -90,8 +92,7 @@ def test_restriction_and_admission_decide_as_one_worker(tmp_path, tag, engine, o
     exactly the keys one worker keeps, and train on to the same rows, slots
     and policy state."""
     extra = {"restrict": 15, "admission": admission}
-    one = run_job(tmp_path, 1, engine, optimizer, layout, tag, extra=extra)
-    two = run_job(tmp_path, 2, engine, optimizer, layout, tag, extra=extra)
+    one, two = run_one_and_two(tmp_path, engine, optimizer, layout, tag, extra)
     check_equal(one, two)
     tables = one[0]
     assert "user_emb/policy-frequency" in tables and "item_emb/policy-frequency" in tables, sorted(tables)
@@ -150,9 +151,10 @@ def test_a_checkpoint_of_n_workers_restores_into_m(tmp_path, tag, engine, optimi
 
     def job(workers, name, **extra):
         # Redis: table_store_mode 0, rows in the checkpoints (mode 2 keeps
-        # Redis as the source of truth, with nothing to restore).
-        redis_config = {"model_tag_runtime": f"{tag}-{workers}", "table_store_mode": 0}
-        return run_job(
+        # Redis as the source of truth, with nothing to restore); a tag per
+        # job, since the jobs of one phase run at once.
+        redis_config = {"model_tag_runtime": f"{tag}-{name}", "table_store_mode": 0}
+        return start_job(
             tmp_path,
             workers,
             engine,
@@ -162,13 +164,20 @@ def test_a_checkpoint_of_n_workers_restores_into_m(tmp_path, tag, engine, optimi
             extra={"out": str(tmp_path / name), "redis": redis_config, **extra},
         )
 
-    job(1, "first1", save_dir=str(tmp_path / "ck1"))
-    job(2, "first2", save_dir=str(tmp_path / "ck2"))
+    run_together(
+        job(1, "first1", save_dir=str(tmp_path / "ck1")),
+        job(2, "first2", save_dir=str(tmp_path / "ck2")),
+        load_out=False,
+    )
     saved = sorted((tmp_path / "ck2").glob("ckpt-*/*.index"))
     assert [p.name for p in saved] == ["worker-00000-of-00002.index", "worker-00001-of-00002.index"], saved
-    reference = job(1, "ref", restore_dir=str(tmp_path / "ck1"))
-    check_equal(reference, job(1, "two_to_one", restore_dir=str(tmp_path / "ck2")))
-    check_equal(reference, job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")))
+    reference, two_to_one, one_to_two = run_together(
+        job(1, "ref", restore_dir=str(tmp_path / "ck1")),
+        job(1, "two_to_one", restore_dir=str(tmp_path / "ck2")),
+        job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")),
+    )
+    check_equal(reference, two_to_one)
+    check_equal(reference, one_to_two)
     if layout == "cuckoo":
         check_sharded(tmp_path, 2, prefix="one_to_two")
 
@@ -234,8 +243,7 @@ if LEGACY:  # tfrs needs tf-keras: defined in the tf-keras run of scripts/test.s
     def test_a_tfrs_model_trains_two_workers_like_one(tmp_path, tag):
         """tfrs.Model.train_step (tape.gradient, then apply_gradients) under
         MultiWorkerMirroredStrategy with model.fit: 2 workers equal 1 worker."""
-        one = run_job(tmp_path, 1, "fit", "adam", "redis", tag, extra={"model": "tfrs"})
-        two = run_job(tmp_path, 2, "fit", "adam", "redis", tag, extra={"model": "tfrs"})
+        one, two = run_one_and_two(tmp_path, "fit", "adam", "redis", tag, {"model": "tfrs"})
         check_equal(one, two)
 
     @pytest.mark.keras
@@ -250,8 +258,7 @@ if LEGACY:  # tfrs needs tf-keras: defined in the tf-keras run of scripts/test.s
         too; with a shared store the metric reads the store as it is, which
         another worker may already have updated (docs/lookups.md)."""
         extra = {"model": "tfrs", "topk_metric": True}
-        one = run_job(tmp_path, 1, "fit", "adam", layout, tag, extra=extra)
-        two = run_job(tmp_path, 2, "fit", "adam", layout, tag, extra=extra)
+        one, two = run_one_and_two(tmp_path, "fit", "adam", layout, tag, extra)
         metric_one, metric_two = one[1].pop("dense/topk"), two[1].pop("dense/topk")
         check_equal(one, two)
         assert metric_one[-1] > 0  # top-10 of ~200 candidates: some hits
@@ -279,13 +286,20 @@ def test_a_many_feature_checkpoint_restores_into_another_worker_count_and_plan(t
 
     def job(workers, name, placement, **dirs):
         extra = {"model": "many", "placement": placement, "column_slice_threshold": 3, "out": str(tmp_path / name)}
-        return run_job(tmp_path, workers, engine, "adam", "cuckoo", tag, extra={**extra, **dirs})
+        return start_job(tmp_path, workers, engine, "adam", "cuckoo", tag, extra={**extra, **dirs})
 
-    job(1, "first1", "rows", save_dir=str(tmp_path / "ck1"))
-    job(2, "first2", "round_robin", save_dir=str(tmp_path / "ck2"))
+    run_together(
+        job(1, "first1", "rows", save_dir=str(tmp_path / "ck1")),
+        job(2, "first2", "round_robin", save_dir=str(tmp_path / "ck2")),
+        load_out=False,
+    )
     saved = sorted(p.name for p in (tmp_path / "ck2").glob("ckpt-*/*.index"))
     assert saved == ["worker-00000-of-00002.index", "worker-00001-of-00002.index"], saved
-    reference = job(1, "ref", "rows", restore_dir=str(tmp_path / "ck1"))
-    check_equal(reference, job(1, "two_to_one", "rows", restore_dir=str(tmp_path / "ck2")))
-    check_equal(reference, job(2, "one_to_two", "memory_balanced", restore_dir=str(tmp_path / "ck1")))
+    reference, two_to_one, one_to_two = run_together(
+        job(1, "ref", "rows", restore_dir=str(tmp_path / "ck1")),
+        job(1, "two_to_one", "rows", restore_dir=str(tmp_path / "ck2")),
+        job(2, "one_to_two", "memory_balanced", restore_dir=str(tmp_path / "ck1")),
+    )
+    check_equal(reference, two_to_one)
+    check_equal(reference, one_to_two)
     check_plan(tmp_path, 2, "memory_balanced", prefix="one_to_two")

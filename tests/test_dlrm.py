@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,19 +109,34 @@ def test_tfde_train_model_dlrm_on_a_criteo_file(tmp_path, capsys):
     assert float(re.search(r"held-out AUC: ([\d.]+)", out).group(1)) > 0.75, out
 
 
-def train_workers(args, engine="mwms"):
-    """`tfde train --model dlrm --workers 2 --exchange-stats ...` in a fresh
-    process; returns its output and the collectives per step worker 0 made."""
+def train_workers(*runs, engine="mwms"):
+    """`tfde train --model dlrm --workers 2 --exchange-stats ...` with each
+    of `runs` (argument lists), in fresh processes at once; returns each
+    one's output and the collectives per step its worker 0 made."""
     command = [sys.executable, "-m", "tfde_cli", "train", "--model", "dlrm", "--workers", "2", "--engine", engine]
     command += ["--exchange-stats", "--examples", "16000", "--max-cardinality", "20000", "--batch-size", "512"]
     command += ["--epochs", "2", "--learning-rate", "0.01"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command + args, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    calls = re.search(r"ms/step, ([\d.]+) collectives/step", out)
-    assert calls, out[-4000:]
-    return out, float(calls.group(1))
+    logs = [tempfile.TemporaryFile("w+") for _ in runs]  # files, not pipes: an unread pipe would stall its run
+    procs = [
+        subprocess.Popen(command + args, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        for args, log in zip(runs, logs)
+    ]
+    results = []
+    try:
+        for proc, log in zip(procs, logs):
+            proc.wait(timeout=600)
+            log.seek(0)
+            out = log.read()
+            assert proc.returncode == 0, out[-4000:]
+            calls = re.search(r"ms/step, ([\d.]+) collectives/step", out)
+            assert calls, out[-4000:]
+            results.append((out, float(calls.group(1))))
+    finally:
+        for proc, log in zip(procs, logs):
+            proc.kill()
+            log.close()
+    return results
 
 
 def test_two_workers_make_the_same_collectives_per_step_for_2_or_26_features():
@@ -128,9 +144,11 @@ def test_two_workers_make_the_same_collectives_per_step_for_2_or_26_features():
     collectives per lookup and 1 for the gradients, with 2 tables or 26;
     per-feature layers pay 3 per table and step.  (The command runs tf-keras
     whatever the parent runs: in the Keras 3 run only.)"""
-    out2, two = train_workers(["--features", "2", "--placement", "round_robin"])
-    out26, many = train_workers(["--features", "26"])
+    (out2, two), (out26, many), (_, per_feature) = train_workers(
+        ["--features", "2", "--placement", "round_robin"],
+        ["--features", "26"],
+        ["--features", "5", "--layers", "per-feature"],
+    )
     assert two == many == 4.0, (out2[-2000:], out26[-2000:])
     assert re.search(r"held-out AUC: ([\d.]+)", out26)
-    _, per_feature = train_workers(["--features", "5", "--layers", "per-feature"])
     assert per_feature == 5 * 3 + 1

@@ -23,6 +23,9 @@ from distributed_check import (  # noqa: E402
     check_sharded,
     redis_tag,
     run_job,
+    run_one_and_two,
+    run_together,
+    start_job,
 )
 
 import tfde  # noqa: E402
@@ -40,8 +43,7 @@ def tag():
     "optimizer,layout", [("sgd", "cuckoo"), ("adam", "cuckoo"), ("sgd", "redis"), ("adam", "redis")]
 )
 def test_two_horovod_workers_equal_one_worker(tmp_path, tag, optimizer, layout):
-    one = run_job(tmp_path, 1, "hvd", optimizer, layout, tag)
-    two = run_job(tmp_path, 2, "hvd", optimizer, layout, tag)
+    one, two = run_one_and_two(tmp_path, "hvd", optimizer, layout, tag)
     check_equal(one, two)
     if layout == "cuckoo":
         check_sharded(tmp_path, 2)
@@ -63,8 +65,7 @@ def test_any_train_step_is_exact(tmp_path, tag, model, wrap, optimizer, layout):
     rows, slots and dense weights (before, rows moved twice as far and the
     dense weights differed between ranks)."""
     extra = {"model": model, "hvd_wrap": wrap}
-    one = run_job(tmp_path, 1, "hvd", optimizer, layout, tag, extra=extra)
-    two = run_job(tmp_path, 2, "hvd", optimizer, layout, tag, extra=extra)
+    one, two = run_one_and_two(tmp_path, "hvd", optimizer, layout, tag, extra)
     check_equal(one, two)
 
 
@@ -82,8 +83,7 @@ def test_many_features_with_a_tfrs_style_train_step_are_exact(tmp_path, tag, lay
     apply_gradients (as tfrs.Model's does): tfde averages what Horovod's
     optimizer does not."""
     extra = {"model": "many", "custom_step": True, "placement": "memory_balanced"}
-    one = run_job(tmp_path, 1, "hvd", "adam", layout, tag, extra=extra)
-    two = run_job(tmp_path, 2, "hvd", "adam", layout, tag, extra=extra)
+    one, two = run_one_and_two(tmp_path, "hvd", "adam", layout, tag, extra)
     check_equal(one, two)
 
 
@@ -131,8 +131,7 @@ def test_a_killed_worker_stops_the_job(tmp_path, tag):
 @pytest.mark.parametrize("layout,admission", [("cuckoo", "counter"), ("redis", "probability")])
 def test_restriction_and_admission_decide_as_one_worker(tmp_path, tag, layout, admission):
     extra = {"restrict": 15, "admission": admission}
-    one = run_job(tmp_path, 1, "hvd", "adam", layout, tag, extra=extra)
-    two = run_job(tmp_path, 2, "hvd", "adam", layout, tag, extra=extra)
+    one, two = run_one_and_two(tmp_path, "hvd", "adam", layout, tag, extra)
     check_equal(one, two)
     for name in ("user_emb", "item_emb"):
         assert 10 <= len(one[0][name]) < 40, (name, len(one[0][name]))
@@ -143,14 +142,21 @@ def test_horovod_checkpoint_restores_into_another_worker_count(tmp_path, tag):
     2 -> 1 and 1 -> 2 workers restore and train on like 1 -> 1."""
 
     def job(workers, name, **extra):
-        return run_job(tmp_path, workers, "hvd", "adam", "cuckoo", tag, extra={"out": str(tmp_path / name), **extra})
+        return start_job(tmp_path, workers, "hvd", "adam", "cuckoo", tag, extra={"out": str(tmp_path / name), **extra})
 
-    job(1, "first1", save_dir=str(tmp_path / "ck1"))
-    job(2, "first2", save_dir=str(tmp_path / "ck2"))
+    run_together(
+        job(1, "first1", save_dir=str(tmp_path / "ck1")),
+        job(2, "first2", save_dir=str(tmp_path / "ck2")),
+        load_out=False,
+    )
     assert len(list((tmp_path / "ck2").glob("ckpt-*/worker-*-of-00002.index"))) == 2
-    reference = job(1, "ref", restore_dir=str(tmp_path / "ck1"))
-    check_equal(reference, job(1, "two_to_one", restore_dir=str(tmp_path / "ck2")))
-    check_equal(reference, job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")))
+    reference, two_to_one, one_to_two = run_together(
+        job(1, "ref", restore_dir=str(tmp_path / "ck1")),
+        job(1, "two_to_one", restore_dir=str(tmp_path / "ck2")),
+        job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")),
+    )
+    check_equal(reference, two_to_one)
+    check_equal(reference, one_to_two)
     check_sharded(tmp_path, 2, prefix="one_to_two")
 
 
