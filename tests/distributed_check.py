@@ -90,6 +90,29 @@ def run_one_and_two(tmp_path, engine, optimizer, layout, tag, extra=None):
     return tuple(run_together(*jobs))
 
 
+def check_restores_into_other_worker_counts(tmp_path, job):
+    """The checkpoint tests' protocol: 1 and 2 workers train and save (ck1,
+    ck2; each worker writes its own files), then 1 -> 1 (the reference),
+    2 -> 1 and 1 -> 2 workers restore and train on: the same rows, slots
+    and dense weights, so every key reached its new owner with its
+    optimizer state.  `job(workers, name, **dirs)` starts the test's job
+    (start_job) with out tmp_path/name; each phase's jobs run at once."""
+    run_together(
+        job(1, "first1", save_dir=str(tmp_path / "ck1")),
+        job(2, "first2", save_dir=str(tmp_path / "ck2")),
+        load_out=False,
+    )
+    saved = sorted(p.name for p in (tmp_path / "ck2").glob("ckpt-*/*.index"))
+    assert saved == ["worker-00000-of-00002.index", "worker-00001-of-00002.index"], saved
+    reference, two_to_one, one_to_two = run_together(
+        job(1, "ref", restore_dir=str(tmp_path / "ck1")),
+        job(1, "two_to_one", restore_dir=str(tmp_path / "ck2")),
+        job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")),
+    )
+    check_equal(reference, two_to_one)
+    check_equal(reference, one_to_two)
+
+
 class _Job:
     def __init__(self, cfg, procs, logs):
         self.cfg, self.procs, self.logs = cfg, procs, logs

@@ -14,11 +14,11 @@ from distributed_check import (
     check_equal,
     check_plan,
     check_plans_like_one_worker,
+    check_restores_into_other_worker_counts,
     check_sharded,
     redis_tag,
     run_job,
     run_one_and_two,
-    run_together,
     start_job,
 )
 
@@ -164,20 +164,7 @@ def test_a_checkpoint_of_n_workers_restores_into_m(tmp_path, tag, engine, optimi
             extra={"out": str(tmp_path / name), "redis": redis_config, **extra},
         )
 
-    run_together(
-        job(1, "first1", save_dir=str(tmp_path / "ck1")),
-        job(2, "first2", save_dir=str(tmp_path / "ck2")),
-        load_out=False,
-    )
-    saved = sorted((tmp_path / "ck2").glob("ckpt-*/*.index"))
-    assert [p.name for p in saved] == ["worker-00000-of-00002.index", "worker-00001-of-00002.index"], saved
-    reference, two_to_one, one_to_two = run_together(
-        job(1, "ref", restore_dir=str(tmp_path / "ck1")),
-        job(1, "two_to_one", restore_dir=str(tmp_path / "ck2")),
-        job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")),
-    )
-    check_equal(reference, two_to_one)
-    check_equal(reference, one_to_two)
+    check_restores_into_other_worker_counts(tmp_path, job)
     if layout == "cuckoo":
         check_sharded(tmp_path, 2, prefix="one_to_two")
 
@@ -284,22 +271,13 @@ def test_a_many_feature_checkpoint_restores_into_another_worker_count_and_plan(t
     test_a_checkpoint_of_n_workers_restores_into_m[fit-*])."""
     engine = "loop"
 
-    def job(workers, name, placement, **dirs):
-        extra = {"model": "many", "placement": placement, "column_slice_threshold": 3, "out": str(tmp_path / name)}
-        return start_job(tmp_path, workers, engine, "adam", "cuckoo", tag, extra={**extra, **dirs})
+    placements = {"first1": "rows", "first2": "round_robin", "one_to_two": "memory_balanced"}
 
-    run_together(
-        job(1, "first1", "rows", save_dir=str(tmp_path / "ck1")),
-        job(2, "first2", "round_robin", save_dir=str(tmp_path / "ck2")),
-        load_out=False,
-    )
-    saved = sorted(p.name for p in (tmp_path / "ck2").glob("ckpt-*/*.index"))
-    assert saved == ["worker-00000-of-00002.index", "worker-00001-of-00002.index"], saved
-    reference, two_to_one, one_to_two = run_together(
-        job(1, "ref", "rows", restore_dir=str(tmp_path / "ck1")),
-        job(1, "two_to_one", "rows", restore_dir=str(tmp_path / "ck2")),
-        job(2, "one_to_two", "memory_balanced", restore_dir=str(tmp_path / "ck1")),
-    )
-    check_equal(reference, two_to_one)
-    check_equal(reference, one_to_two)
+    def job(workers, name, **dirs):
+        extra = {"model": "many", "placement": placements.get(name, "rows"), "column_slice_threshold": 3}
+        return start_job(
+            tmp_path, workers, engine, "adam", "cuckoo", tag, extra={**extra, "out": str(tmp_path / name), **dirs}
+        )
+
+    check_restores_into_other_worker_counts(tmp_path, job)
     check_plan(tmp_path, 2, "memory_balanced", prefix="one_to_two")

@@ -20,11 +20,11 @@ from distributed_check import (  # noqa: E402
     JobFailed,
     check_equal,
     check_plans_like_one_worker,
+    check_restores_into_other_worker_counts,
     check_sharded,
     redis_tag,
     run_job,
     run_one_and_two,
-    run_together,
     start_job,
 )
 
@@ -144,19 +144,7 @@ def test_horovod_checkpoint_restores_into_another_worker_count(tmp_path, tag):
     def job(workers, name, **extra):
         return start_job(tmp_path, workers, "hvd", "adam", "cuckoo", tag, extra={"out": str(tmp_path / name), **extra})
 
-    run_together(
-        job(1, "first1", save_dir=str(tmp_path / "ck1")),
-        job(2, "first2", save_dir=str(tmp_path / "ck2")),
-        load_out=False,
-    )
-    assert len(list((tmp_path / "ck2").glob("ckpt-*/worker-*-of-00002.index"))) == 2
-    reference, two_to_one, one_to_two = run_together(
-        job(1, "ref", restore_dir=str(tmp_path / "ck1")),
-        job(1, "two_to_one", restore_dir=str(tmp_path / "ck2")),
-        job(2, "one_to_two", restore_dir=str(tmp_path / "ck1")),
-    )
-    check_equal(reference, two_to_one)
-    check_equal(reference, one_to_two)
+    check_restores_into_other_worker_counts(tmp_path, job)
     check_sharded(tmp_path, 2, prefix="one_to_two")
 
 
