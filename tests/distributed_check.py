@@ -73,14 +73,28 @@ def start_job(tmp_path, workers, engine, optimizer, layout, tag, extra=None):
         ]
     else:
         commands = [[sys.executable, str(JOB), str(path), str(i)] for i in range(workers)]
-    # Output to files, not pipes: a worker (or a job beside this one) that
-    # writes more than a pipe holds while nobody reads it would stall.
     logs = [tmp_path / f"{name}-w{i}.log" for i in range(len(commands))]
-    procs = []
-    for command, log in zip(commands, logs):
-        with open(log, "w") as out:
-            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, env=env))
-    return _Job(cfg, procs, logs)
+    return _Job(cfg, [start_logged(command, log, env=env) for command, log in zip(commands, logs)], logs)
+
+
+def start_logged(command, log, **popen):
+    """A process whose stdout and stderr go to the file `log`: to a file, not
+    a pipe, since a process (or one beside it) that writes more than a pipe
+    holds while nobody reads it would stall."""
+    with open(log, "w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def wait_all(procs, timeout_s):
+    """Waits for every process, all within one deadline; kills whatever is
+    left when that fails (subprocess.TimeoutExpired) or is interrupted."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def run_one_and_two(tmp_path, engine, optimizer, layout, tag, extra=None):
@@ -124,15 +138,7 @@ def run_together(*jobs, load_out=True):
     TensorFlow import and tracing, so two jobs on two cores take little more
     than the longer one); returns load() of each one's files, in order.  A
     job that fails raises JobFailed and stops the others."""
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for job in jobs:
-            for p in job.procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for job in jobs:
-            for p in job.procs:
-                p.kill()
+    wait_all([p for job in jobs for p in job.procs], TIMEOUT_S)
     for job in jobs:
         outputs = [log.read_text(errors="replace") for log in job.logs]
         workers = job.cfg["workers"]

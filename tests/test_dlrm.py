@@ -3,14 +3,13 @@ the model trained end to end through the command, one worker and two."""
 
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from distributed_check import start_logged, wait_all
 
 from tfde import cli
 from tfde.demo import clicks
@@ -109,7 +108,7 @@ def test_tfde_train_model_dlrm_on_a_criteo_file(tmp_path, capsys):
     assert float(re.search(r"held-out AUC: ([\d.]+)", out).group(1)) > 0.75, out
 
 
-def train_workers(*runs, engine="mwms"):
+def train_workers(tmp_path, *runs, engine="mwms"):
     """`tfde train --model dlrm --workers 2 --exchange-stats ...` with each
     of `runs` (argument lists), in fresh processes at once; returns each
     one's output and the collectives per step its worker 0 made."""
@@ -117,34 +116,26 @@ def train_workers(*runs, engine="mwms"):
     command += ["--exchange-stats", "--examples", "16000", "--max-cardinality", "20000", "--batch-size", "512"]
     command += ["--epochs", "2", "--learning-rate", "0.01"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    logs = [tempfile.TemporaryFile("w+") for _ in runs]  # files, not pipes: an unread pipe would stall its run
-    procs = [
-        subprocess.Popen(command + args, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-        for args, log in zip(runs, logs)
-    ]
+    logs = [tmp_path / f"run{i}.log" for i in range(len(runs))]
+    procs = [start_logged(command + args, log, env=env, cwd=ROOT) for args, log in zip(runs, logs)]
+    wait_all(procs, 600)
     results = []
-    try:
-        for proc, log in zip(procs, logs):
-            proc.wait(timeout=600)
-            log.seek(0)
-            out = log.read()
-            assert proc.returncode == 0, out[-4000:]
-            calls = re.search(r"ms/step, ([\d.]+) collectives/step", out)
-            assert calls, out[-4000:]
-            results.append((out, float(calls.group(1))))
-    finally:
-        for proc, log in zip(procs, logs):
-            proc.kill()
-            log.close()
+    for proc, log in zip(procs, logs):
+        out = log.read_text(errors="replace")
+        assert proc.returncode == 0, out[-4000:]
+        calls = re.search(r"ms/step, ([\d.]+) collectives/step", out)
+        assert calls, out[-4000:]
+        results.append((out, float(calls.group(1))))
     return results
 
 
-def test_two_workers_make_the_same_collectives_per_step_for_2_or_26_features():
+def test_two_workers_make_the_same_collectives_per_step_for_2_or_26_features(tmp_path):
     """The collection layer's exchange does not grow with the features: 3
     collectives per lookup and 1 for the gradients, with 2 tables or 26;
     per-feature layers pay 3 per table and step.  (The command runs tf-keras
     whatever the parent runs: in the Keras 3 run only.)"""
     (out2, two), (out26, many), (_, per_feature) = train_workers(
+        tmp_path,
         ["--features", "2", "--placement", "round_robin"],
         ["--features", "26"],
         ["--features", "5", "--layers", "per-feature"],
