@@ -24,13 +24,15 @@ collect_ignore = [] if LEGACY_KERAS else list(TF_KERAS_ONLY)
 # The fast tier (`bash scripts/test.sh --fast`) leaves out every test that
 # starts a process: worker jobs, redis-server instances (standalone,
 # cluster, sentinel), compilers, a fresh Python.  They are marked "slow"
-# here, from their code: the test function, the fixtures it uses and the
-# helpers of its module it calls, so a new test is classified as it is
-# written.
+# here, from their code: the test function, the fixtures it uses and every
+# helper of the tests directory they call, followed through the helpers'
+# own calls (distributed_check.run_one_and_two -> start_job -> Popen), so a
+# new test is classified as it is written.
 _STARTS_A_PROCESS = re.compile(
     r"\bsubprocess\b|\bPopen\b|\bsys\.executable\b|\brun_job\(|horovodrun|"
     r"\bstandalone\(|\bRestartable\(|\bcluster\(\)|\bsentinel\(\)|\b_server\("
 )
+_TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def _source(fn) -> str:
@@ -40,21 +42,49 @@ def _source(fn) -> str:
         return ""
 
 
+def _of_the_tests(obj) -> bool:
+    try:
+        path = inspect.getsourcefile(obj)
+    except TypeError:
+        return False
+    return path is not None and os.path.abspath(path).startswith(_TESTS + os.sep)
+
+
+def _names(code) -> set:
+    """The global names a code object and the functions defined in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names(const)
+    return names
+
+
+def _called(obj) -> list:
+    """The functions and classes of the tests directory that obj names."""
+    if inspect.isclass(obj):
+        return [f for f in vars(obj).values() if inspect.isfunction(f)]
+    code, module = getattr(obj, "__code__", None), inspect.getmodule(obj)
+    if code is None or module is None:
+        return []
+    helpers = (getattr(module, name, None) for name in _names(code))
+    return [h for h in helpers if (inspect.isfunction(h) or inspect.isclass(h)) and _of_the_tests(h)]
+
+
 def _starts_a_process(item) -> bool:
     fn = getattr(item, "function", None)
     if fn is None:
         return False
-    functions = [fn] + [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
-    sources = [_source(f) for f in functions]
-    for f in functions:  # and the module's own helpers (functions, classes) they name
-        module = inspect.getmodule(f)
-        for name in getattr(getattr(f, "__code__", None), "co_names", ()):
-            helper = getattr(module, name, None)
-            if (inspect.isfunction(helper) or inspect.isclass(helper)) and getattr(
-                helper, "__module__", None
-            ) == getattr(module, "__name__", None):
-                sources.append(_source(helper))
-    return any(_STARTS_A_PROCESS.search(src) for src in sources)
+    todo = [fn] + [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    seen = set()
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        if _STARTS_A_PROCESS.search(_source(f)):
+            return True
+        todo += _called(f)
+    return False
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,33 @@
+"""The fast tier (`bash scripts/test.sh --fast`, pytest -m "not slow") leaves
+out every test that starts a process, including those that start it through
+a helper of the tests directory that calls another (tests/conftest.py marks
+them "slow" from their code)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _fast_tier(*files) -> set:
+    """The test ids pytest -m "not slow" collects from `files`."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-m", "not slow", *files],
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        timeout=300,
+    )
+    assert proc.returncode in (0, 5), proc.stdout[-3000:] + proc.stderr[-3000:]  # 5: every test deselected
+    return {line.split("[")[0] for line in proc.stdout.splitlines() if "::" in line}
+
+
+def test_worker_jobs_started_through_helpers_are_left_out():
+    # run_one_and_two -> start_job -> Popen; check_plans_like_one_worker ->
+    # start_plans -> start_job; check_copies_store_what_fetching_stores ->
+    # check_every_k_pushes -> run_job; a nested job() calling start_job.
+    fast = _fast_tier("tests/test_distributed.py", "tests/test_semi_sync.py")
+    assert fast == {"tests/test_distributed.py::test_mirrored_strategy_on_one_cpu_trains_like_no_strategy"}, fast
