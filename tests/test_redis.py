@@ -922,3 +922,56 @@ def test_training_rides_out_a_slot_migration_with_a_long_ask_window(moves):
     _adam_steps(reference, 36)
     for got, want in zip(_slot_values(var), _slot_values(reference)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------ a pipeline over several cluster nodes
+
+
+def test_a_refusal_on_one_cluster_node_leaves_every_node_in_step():
+    """A lookup sends every node its commands before reading any reply
+    (backends/redis/resp_client.h TryPipeline), so when one node refuses,
+    the others' replies are still on their way: they are read too, the
+    lookup raises the refusal, and every later call on every node returns
+    the right rows (an unread reply would be taken for the next command's)."""
+    ports = redis_servers.cluster()
+    tag = f"in-step-{uuid.uuid4().hex[:8]}"
+    creator = tfde.RedisTableCreator(
+        {
+            "redis_connection_mode": 0,
+            "redis_host_ip": ["127.0.0.1"] * len(ports),
+            "redis_host_port": ports,
+            "model_tag_runtime": tag,
+            "storage_slice": 6,
+            "keys_sending_size": 8,
+            "redis_retry_deadline_ms": 0,
+        }
+    )
+    var = tfde.Variable("v", dim=3, seed=1, table_creator=creator)
+    table = var.tables[0]
+    cluster = redis.cluster.RedisCluster(host="127.0.0.1", port=ports[0])
+    nodes = {cluster.get_node_from_key(b).name for b in table._buckets}
+    assert len(nodes) == 3, f"the 6 buckets should spread over the 3 masters, got {nodes}"
+    keys = np.arange(600, dtype=np.int64)  # ~100 keys per bucket: several commands per node
+    rows = np.stack([keys, -keys, keys / 7], 1).astype(np.float32)
+    var.upsert(keys, rows)
+    # The node that answers last in the client's order refuses; so does the first.
+    for victim in (sorted(table._buckets)[0], sorted(table._buckets)[-1]):
+        saved = cluster.hgetall(victim)
+        cluster.delete(victim)
+        cluster.set(victim, "not a hash")
+        try:
+            with pytest.raises(tfde.BackendError, match="WRONGTYPE"):
+                var.lookup(keys)
+            with pytest.raises(tfde.BackendError, match="WRONGTYPE"):
+                var.upsert(keys, rows)
+        finally:
+            cluster.delete(victim)
+            cluster.hset(victim, mapping=saved)
+        for _ in range(3):
+            np.testing.assert_array_equal(var.lookup(keys).numpy(), rows)
+        var.upsert(keys, rows + 1)
+        np.testing.assert_array_equal(var.lookup(keys).numpy(), rows + 1)
+        var.upsert(keys, rows)
+    stale = [k for n in cluster.get_primaries() for k in cluster.scan_iter(match=f"{tag}:*", target_nodes=n)]
+    for k in stale:
+        cluster.delete(k)

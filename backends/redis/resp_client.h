@@ -7,8 +7,10 @@
 // get-master-addr-by-name and replicas, EXISTS / SET NX of a table's meta
 // key, and the commands they pipeline, which must be safe to send again (a
 // retry resends them all): HMGET, HSET, HDEL, HLEN, DEL, transactions of
-// HSETs, and EVALs that mark themselves applied.  Commands for one node are sent together
-// and their replies read in order.
+// HSETs, and EVALs that mark themselves applied.  A pipeline's commands go
+// to every node before any reply is read (the nodes work at once), in
+// pieces of kSendBytes as they are encoded; each node's replies are read in
+// order, parsed in place from the receive buffer into reused Replies.
 //
 // The stream stays in step: every reply of a pipeline is read before any
 // error reply is acted on, and a connection whose stream is not known to be
@@ -33,6 +35,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -56,6 +59,7 @@ constexpr int kClusterSlots = 16384;
 constexpr int kBackoffBaseMs = 50;   // first retry delay; doubles per retry
 constexpr int kBackoffMaxMs = 1000;  // longest delay between retries
 constexpr size_t kReadChunk = 1 << 16;
+constexpr size_t kSendBytes = 1 << 13;  // a pipeline's commands queued for a node are sent once this many bytes
 constexpr int kReplicaPauseMs = 30000;  // reads stay on the master this long after a replica failed
 
 constexpr int64_t kMaxBulkBytes = int64_t{512} << 20;  // Redis's own proto-max-bulk-len default
@@ -162,13 +166,16 @@ class Connection {
 
   // Queues one command (sent by Flush).
   void Append(const std::vector<std::string_view>& args) {
-    out_ += "*" + std::to_string(args.size()) + "\r\n";
+    AppendHeader('*', args.size());
     for (std::string_view a : args) {
-      out_ += "$" + std::to_string(a.size()) + "\r\n";
+      AppendHeader('$', a.size());
       out_.append(a.data(), a.size());
-      out_ += "\r\n";
+      out_.append("\r\n", 2);
     }
   }
+
+  // Bytes queued by Append and not sent yet.
+  size_t Queued() const { return out_.size(); }
 
   void Flush() {
     size_t sent = 0;
@@ -185,49 +192,76 @@ class Connection {
 
   Reply Read() {
     Reply r;
-    const std::string line = ReadLine();
+    ReadInto(&r);
+    return r;
+  }
+
+  // Reads the next reply into *r, reusing the buffers of what *r held and of
+  // the elements earlier replies no longer need (spare_): a pipeline of
+  // large arrays (HMGET's rows) allocates for its first reply, not for every
+  // element of every reply.
+  void ReadInto(Reply* r) {
+    // The line is a view into the input buffer: used before the next read.
+    const std::string_view line = ReadLine();
     if (line.empty()) throw Error(Address() + " sent an empty reply line", true);
-    const std::string_view body(line.data() + 1, line.size() - 1);
+    const std::string_view body = line.substr(1);
+    if (line[0] != '*') Recycle(&r->elements, 0);
+    r->str.clear();  // keeps its buffer
+    r->integer = 0;
     switch (line[0]) {
       case '+':
-        r.type = Reply::kStatus;
-        r.str = std::string(body);
+        r->type = Reply::kStatus;
+        r->str.assign(body);
         break;
       case '-':
-        r.type = Reply::kError;
-        r.str = std::string(body);
+        r->type = Reply::kError;
+        r->str.assign(body);
         break;
       case ':':
-        r.type = Reply::kInteger;
-        r.integer = ParseInt(body);
+        r->type = Reply::kInteger;
+        r->integer = ParseInt(body);
         break;
       case '$': {
         const int64_t n = ParseInt(body);
         if (n < 0) {
-          r.type = Reply::kNil;
+          r->type = Reply::kNil;
           break;
         }
         if (n > kMaxBulkBytes) throw Error(Address() + " sent a malformed bulk length " + std::to_string(n), true);
-        r.type = Reply::kBulk;
-        r.str = ReadExact(static_cast<size_t>(n));
-        if (ReadExact(2) != "\r\n") throw Error(Address() + " sent a malformed bulk reply", true);
+        r->type = Reply::kBulk;
+        const std::string_view payload = ReadExact(static_cast<size_t>(n) + 2);
+        if (payload.substr(payload.size() - 2) != "\r\n") throw Error(Address() + " sent a malformed bulk reply", true);
+        r->str.assign(payload.data(), payload.size() - 2);
         break;
       }
       case '*': {
         const int64_t n = ParseInt(body);
         if (n < 0) {
-          r.type = Reply::kNil;
+          Recycle(&r->elements, 0);
+          r->type = Reply::kNil;
           break;
         }
-        r.type = Reply::kArray;
-        r.elements.reserve(static_cast<size_t>(std::min(n, kMaxReserve)));
-        for (int64_t i = 0; i < n; ++i) r.elements.push_back(Read());
+        r->type = Reply::kArray;
+        // Grown as elements arrive (a malformed length allocates nothing).
+        const size_t count = static_cast<size_t>(n);
+        if (r->elements.size() > count) Recycle(&r->elements, count);
+        r->elements.reserve(std::min(count, static_cast<size_t>(kMaxReserve)));
+        for (size_t i = 0; i < count; ++i) {
+          if (i == r->elements.size()) {
+            if (spare_.empty()) {
+              r->elements.emplace_back();
+            } else {
+              r->elements.push_back(std::move(spare_.back()));
+              spare_.pop_back();
+            }
+          }
+          ReadInto(&r->elements[i]);
+        }
         break;
       }
       default:
-        throw Error(Address() + " sent an unknown reply type '" + line.substr(0, 1) + "'", true);
+        throw Error(Address() + " sent an unknown reply type '" + std::string(line.substr(0, 1)) + "'", true);
     }
-    return r;
   }
 
   // Sends one command and returns its reply, an error reply included.
@@ -297,53 +331,90 @@ class Connection {
                 true);
   }
 
+  // Receives what the server sent so far (at least a byte) after the bytes
+  // not parsed yet, straight into the input buffer: the parsed bytes before
+  // them are dropped first, and the buffer grows only for a reply larger
+  // than it.
   void Fill() {
-    if (pos_ > 0 && pos_ == in_.size()) {
-      in_.clear();
-      pos_ = 0;
+    if (begin_ > 0) {
+      std::memmove(in_.data(), in_.data() + begin_, end_ - begin_);
+      end_ -= begin_;
+      begin_ = 0;
     }
-    char buf[kReadChunk];
+    if (in_.size() - end_ < kReadChunk) in_.resize(std::max(in_.size() * 2, end_ + kReadChunk));
     ssize_t k;
     do {
-      k = ::recv(fd_, buf, sizeof(buf), 0);
+      k = ::recv(fd_, in_.data() + end_, in_.size() - end_, 0);
     } while (k < 0 && errno == EINTR);
     if (k < 0) Fail("read", errno);
     if (k == 0) throw Error(Address() + " closed the connection", true);
-    in_.append(buf, static_cast<size_t>(k));
+    end_ += static_cast<size_t>(k);
   }
 
-  std::string ReadLine() {
-    size_t end;
-    while ((end = in_.find("\r\n", pos_)) == std::string::npos) Fill();
-    std::string line = in_.substr(pos_, end - pos_);
-    pos_ = end + 2;
-    return line;
+  // The next line, without its CRLF, as a view into the input buffer (valid
+  // until the next Fill).
+  std::string_view ReadLine() {
+    size_t scanned = begin_;  // no CRLF ends before here
+    for (;;) {
+      const std::string_view have(in_.data() + scanned, end_ - scanned);
+      const size_t at = have.find("\r\n");
+      if (at != std::string_view::npos) {
+        const std::string_view line(in_.data() + begin_, scanned + at - begin_);
+        begin_ = scanned + at + 2;
+        return line;
+      }
+      scanned = end_ > scanned ? end_ - 1 : scanned;  // a CR may be the last byte
+      scanned -= begin_;
+      Fill();  // moves the unparsed bytes to the front
+      scanned += begin_;
+    }
   }
 
-  std::string ReadExact(size_t n) {
-    while (in_.size() - pos_ < n) Fill();
-    std::string out = in_.substr(pos_, n);
-    pos_ += n;
+  // The next n bytes, as a view into the input buffer (valid until the next
+  // Fill).
+  std::string_view ReadExact(size_t n) {
+    while (end_ - begin_ < n) Fill();
+    const std::string_view out(in_.data() + begin_, n);
+    begin_ += n;
     return out;
   }
 
-  int64_t ParseInt(std::string_view s) const {
-    try {
-      size_t used = 0;
-      const int64_t v = std::stoll(std::string(s), &used);
-      if (used != s.size()) throw std::invalid_argument("trailing bytes");
-      return v;
-    } catch (const std::exception&) {
-      throw Error(Address() + " sent a malformed integer '" + std::string(s) + "'", true);
+  // Appends "<type><n>\r\n".
+  void AppendHeader(char type, size_t n) {
+    char head[24];
+    head[0] = type;
+    char* end = std::to_chars(head + 1, head + sizeof(head) - 2, n).ptr;
+    *end++ = '\r';
+    *end++ = '\n';
+    out_.append(head, static_cast<size_t>(end - head));
+  }
+
+  // Keeps the first `keep` of *elements; the rest (and their own elements)
+  // go to spare_, at most kMaxReserve of them, for later replies to reuse.
+  void Recycle(std::vector<Reply>* elements, size_t keep) {
+    for (size_t i = keep; i < elements->size(); ++i) {
+      Reply& e = (*elements)[i];
+      Recycle(&e.elements, 0);
+      if (spare_.size() < static_cast<size_t>(kMaxReserve)) spare_.push_back(std::move(e));
     }
+    elements->resize(keep);
+  }
+
+  int64_t ParseInt(std::string_view s) const {
+    int64_t v = 0;
+    const auto [end, error] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (error != std::errc() || end != s.data() + s.size() || s.empty())
+      throw Error(Address() + " sent a malformed integer '" + std::string(s) + "'", true);
+    return v;
   }
 
   std::string host_;
   int port_;
   int fd_ = -1;
-  std::string out_;  // commands not sent yet
-  std::string in_;   // bytes received, not parsed yet from pos_
-  size_t pos_ = 0;
+  std::string out_;       // commands not sent yet
+  std::vector<char> in_;  // bytes received: parsed before begin_, not parsed yet in [begin_, end_)
+  size_t begin_ = 0, end_ = 0;
+  std::vector<Reply> spare_;  // elements of earlier replies, for ReadInto to reuse
 };
 
 // Where and how to connect; mirrors the Redis JSON config's fields.
@@ -516,32 +587,51 @@ class Client {
       auto it = asked->find(units[u].first);
       by_node[it != asked->end() ? it->second : NodeOf(commands[units[u].first].key)].push_back(u);
     }
-    bool straddles = false;
-    std::string straddle;
-    std::map<size_t, std::string> redirected;  // this attempt's ASKs
-    for (const auto& [node, list] : by_node) {
-      Connection& c = ConnectionTo(node);
-      bool moved = false;
-      std::unique_ptr<Error> refused;  // the first error reply
-      std::exception_ptr undelivered;  // what deliver threw
-      try {
+    const std::string replicas = std::to_string(config_.wait_replicas);
+    const std::string timeout = std::to_string(config_.wait_timeout_ms);
+    // Nodes sent commands whose replies are not all read yet: their streams
+    // are out of step if this attempt stops early, so they are closed then.
+    std::set<std::string> unread;
+    try {
+      // Every node gets all its commands before any reply is read, so the
+      // nodes work at once; within a node, each unit goes out once
+      // kSendBytes are queued, so the server starts on the first chunks
+      // while the client encodes the rest.
+      std::vector<Connection*> to;
+      for (const auto& [node, list] : by_node) {
+        Connection& c = ConnectionTo(node);
+        unread.insert(node);
         for (size_t u : list) {
           // A unit an ASK sent here is preceded by ASKING, which lets the
           // importing node serve its next command, or, before MULTI, the
           // whole transaction.
           if (asked->count(units[u].first) != 0) c.Append({"ASKING"});
           for (size_t i = units[u].first; i < units[u].second; ++i) c.Append(commands[i].args);
+          if (c.Queued() >= kSendBytes) c.Flush();
         }
-        const std::string replicas = std::to_string(config_.wait_replicas);
-        const std::string timeout = std::to_string(config_.wait_timeout_ms);
         if (wait) c.Append({"WAIT", replicas, timeout});
         c.Flush();
-        // Every reply is read, whatever came before it: a reply left unread
-        // would be taken for the answer to a later command.
+        to.push_back(&c);
+      }
+      // Every reply is read, whatever came before it: a reply left unread
+      // would be taken for the answer to a later command.  After the first
+      // problem (an error reply, a redirect, a throwing deliver) nothing
+      // more is delivered; the first node's problem decides, a redirect
+      // first.
+      bool moved = false;
+      std::unique_ptr<Error> refused;  // the first error reply
+      std::exception_ptr undelivered;  // what deliver threw
+      bool straddles = false;
+      std::string straddle;
+      std::map<size_t, std::string> redirected;  // this attempt's ASKs
+      Reply r;                                   // each reply in turn, reusing the buffers of the ones before
+      size_t part = 0;
+      for (const auto& [node, list] : by_node) {
+        Connection& c = *to[part++];
         for (size_t u : list) {
           const auto [begin, end] = units[u];
           if (asked->count(begin) != 0) {
-            Reply r = c.Read();
+            c.ReadInto(&r);
             if (r.type != Reply::kStatus && refused == nullptr)
               refused = std::make_unique<Error>(c.Address() + " answered ASKING: " + r.str,
                                                 r.type == Reply::kError ? KindOf(r.str) : ErrorKind::kTransient);
@@ -550,7 +640,7 @@ class Client {
           size_t served = 0;   // commands of a transaction this node queued
           std::unique_ptr<Error> unit_refused;
           for (size_t i = begin; i < end; ++i) {
-            Reply r = c.Read();
+            c.ReadInto(&r);
             const bool inner = end - begin > 1 && i > begin && i + 1 < end;  // queued inside MULTI ... EXEC
             if (r.type == Reply::kError) {
               const std::string_view code = ErrorCode(r.str);
@@ -592,7 +682,7 @@ class Client {
           // it on this connection, or the timeout passed: how many did.  Its
           // reply may take the WAIT timeout on top of the socket timeout.
           c.SetReceiveTimeout(config_.socket_timeout_ms + config_.wait_timeout_ms);
-          Reply r = c.Read();
+          c.ReadInto(&r);
           c.SetReceiveTimeout(config_.socket_timeout_ms);
           if (r.type != Reply::kInteger) {
             if (refused == nullptr)
@@ -608,11 +698,7 @@ class Client {
                 ErrorKind::kTransient);
           }
         }
-      } catch (...) {
-        // Failed mid-write or mid-read (closed, timed out, malformed): the
-        // stream is out of step, so the connection is never used again.
-        connections_.erase(node);
-        throw;
+        unread.erase(node);
       }
       // A redirect first: inside MULTI a moved slot makes the queued command
       // answer MOVED and EXEC answer EXECABORT (nothing applied), which is a
@@ -623,11 +709,17 @@ class Client {
       }
       if (refused != nullptr) throw *refused;
       if (undelivered != nullptr) std::rethrow_exception(undelivered);
+      if (straddles) throw Error(straddle, ErrorKind::kTransient);
+      if (redirected.empty()) return Outcome::kDone;
+      for (auto& [begin, node] : redirected) (*asked)[begin] = std::move(node);
+      return Outcome::kAsked;
+    } catch (...) {
+      // Failed mid-write or mid-read (closed, timed out, malformed), or
+      // before some node's replies were read: those streams are out of
+      // step, so their connections are never used again.
+      for (const std::string& node : unread) connections_.erase(node);
+      throw;
     }
-    if (straddles) throw Error(straddle, ErrorKind::kTransient);
-    if (redirected.empty()) return Outcome::kDone;
-    for (auto& [begin, node] : redirected) (*asked)[begin] = std::move(node);
-    return Outcome::kAsked;
   }
 
   // One command outside a pipeline; an error reply throws, classified.
