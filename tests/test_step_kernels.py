@@ -3,20 +3,57 @@ against the optimizer's Python path, which stays the reference: for every
 optimizer and option of tests/test_optimizer.py, weight decay, a learning
 rate schedule, float64 and float16 tables, int and string keys, a Variable
 looked up twice in one step and NaN gradients, both paths store the same
-rows and slots (rtol 1e-6).  Each run checks which path it took, so the
-comparison cannot pass by comparing a path with itself."""
+rows and slots (rtol 1e-6), on in-process cuckoo tables and on Redis
+(TfdeRedisApply, which reads and writes the tables of one Variable in one
+op).  Each run checks which path it took, so the comparison cannot pass by
+comparing a path with itself."""
+
+import uuid
 
 import numpy as np
 import pytest
+import redis
 import tensorflow as tf
 from test_optimizer import CASES
 
 import tfde
 from tfde import step_kernels
+from tfde.initializers import InitSpec
 
 pytestmark = pytest.mark.keras
 K = tf.keras.optimizers
 STEPS, BATCH, DIM = 6, 24, 5
+BACKENDS = ["cuckoo", "redis"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def _creator(backend):
+    """None (the default cuckoo tables) or a Redis creator under a fresh tag:
+    2 buckets, 7 keys per command (several commands per bucket)."""
+    if backend == "cuckoo":
+        return None
+    tag = f"tfde-step-kernels-{uuid.uuid4().hex[:10]}"
+    _TAGS.append(tag)
+    return tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 2, "keys_sending_size": 7})
+
+
+_TAGS = []
+
+
+@pytest.fixture(autouse=True)
+def _redis_keys_go():
+    yield
+    if _TAGS:
+        client = redis.Redis()
+        for tag in _TAGS:
+            keys = [k for pattern in (f"{tag}:*", f"tfde-*{tag}:*") for k in client.scan_iter(match=pattern)]
+            if keys:
+                client.delete(*keys)
+        _TAGS.clear()
 
 
 class Calls:
@@ -39,14 +76,17 @@ class Calls:
         monkeypatch.setattr(tfde.variable, "fused_lookup", counted_lookup)
 
 
-def train(make_opt, value_dtype=tf.float32, nan_at=None, graph=True, stored=0):
+def train(make_opt, value_dtype=tf.float32, nan_at=None, graph=True, stored=0, backend="cuckoo"):
     """STEPS steps of two Variables (int64 and string keys); the item
     Variable is looked up twice per step (its step buffer then holds keys
     twice).  `stored`: item keys 0..stored-1 hold rows before training (and
     no optimizer slots yet).  Returns {table: {key: row}} of rows and slots."""
     init = tf.keras.initializers.RandomUniform(-1, 1, seed=3)
-    item = tfde.Variable("item", dim=DIM, value_dtype=value_dtype, initializer=init)
-    user = tfde.Variable("user", key_dtype=tf.string, dim=DIM, value_dtype=value_dtype, initializer=init)
+    creator = _creator(backend)
+    item = tfde.Variable("item", dim=DIM, value_dtype=value_dtype, initializer=init, table_creator=creator)
+    user = tfde.Variable(
+        "user", key_dtype=tf.string, dim=DIM, value_dtype=value_dtype, initializer=init, table_creator=creator
+    )
     if stored:
         rows = np.random.default_rng(9).standard_normal((stored, DIM))
         item.upsert(tf.range(stored, dtype=tf.int64), tf.constant(rows, value_dtype))
@@ -86,7 +126,9 @@ def train(make_opt, value_dtype=tf.float32, nan_at=None, graph=True, stored=0):
 def both_paths(monkeypatch, make_opt, **kwargs):
     calls = Calls(monkeypatch)
     fused = train(make_opt, **kwargs)
-    assert calls.count > 0 and calls.lookups > 0, "the fused step was not taken"
+    # On Redis the lookups are the table's own (the fused lookup is cuckoo's).
+    on_redis = kwargs.get("backend") == "redis"
+    assert calls.count > 0 and (calls.lookups > 0 or on_redis), "the fused step was not taken"
     monkeypatch.setattr(step_kernels, "enabled", False)
     count, lookups = calls.count, calls.lookups
     python = train(make_opt, **kwargs)
@@ -110,8 +152,10 @@ def assert_same(fused, python, rtol=1e-6, atol=1e-7):
 
 
 @pytest.mark.parametrize("kind,cfg", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)])
-def test_the_fused_step_stores_what_the_python_path_stores(monkeypatch, kind, cfg):
-    fused, python = both_paths(monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(getattr(K, kind)(**cfg)))
+def test_the_fused_step_stores_what_the_python_path_stores(monkeypatch, kind, cfg, backend):
+    fused, python = both_paths(
+        monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(getattr(K, kind)(**cfg)), backend=backend
+    )
     assert_same(fused, python)
 
 
@@ -125,46 +169,60 @@ def test_the_fused_step_stores_what_the_python_path_stores(monkeypatch, kind, cf
     ],
     ids=["rmsprop-momentum", "adam-weight-decay", "sgd-schedule", "adagrad-weight-decay"],
 )
-def test_options_beyond_the_rule_are_the_same(monkeypatch, make):
-    fused, python = both_paths(monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(make()))
+def test_options_beyond_the_rule_are_the_same(monkeypatch, make, backend):
+    fused, python = both_paths(monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(make()), backend=backend)
     assert_same(fused, python)
 
 
-@pytest.mark.parametrize("dtype,rtol", [(tf.float64, 1e-12), (tf.float16, 1e-3)])
-def test_other_value_dtypes(monkeypatch, dtype, rtol):
+@pytest.mark.parametrize(
+    "dtype,rtol,backend", [(tf.float64, 1e-12, "cuckoo"), (tf.float16, 1e-3, "cuckoo"), (tf.float64, 1e-12, "redis")]
+)
+def test_other_value_dtypes(monkeypatch, dtype, rtol, backend):
     fused, python = both_paths(
-        monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01, amsgrad=True)), value_dtype=dtype
+        monkeypatch,
+        lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01, amsgrad=True)),
+        value_dtype=dtype,
+        backend=backend,
     )
     assert_same(fused, python, rtol=rtol, atol=rtol)
 
 
-def test_a_nan_gradient_leaves_its_row_and_slots_as_they_were(monkeypatch):
+def test_a_nan_gradient_leaves_its_row_and_slots_as_they_were(monkeypatch, backend):
     make = lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01))  # noqa: E731
-    fused, python = both_paths(monkeypatch, make, nan_at=2)
+    fused, python = both_paths(monkeypatch, make, nan_at=2, backend=backend)
     assert_same(fused, python)
     for table in fused.values():
         assert all(np.isfinite(row).all() for row in table.values())
 
 
-def test_rows_stored_before_training_start_with_fresh_slots(monkeypatch):
+def test_rows_stored_before_training_start_with_fresh_slots(monkeypatch, backend):
     # A warm start from rows alone: half the keys trained have a row and no
     # slot, the others neither, and the fused step inserts what is missing.
     make = lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01))  # noqa: E731
-    fused, python = both_paths(monkeypatch, make, stored=15)
+    fused, python = both_paths(monkeypatch, make, stored=15, backend=backend)
     assert_same(fused, python)
     assert len(fused["item/rows"]) == 30
 
 
-def test_eager_steps_take_it_too(monkeypatch):
-    fused, python = both_paths(monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(K.Ftrl(0.1)), graph=False)
+def test_eager_steps_take_it_too(monkeypatch, backend):
+    fused, python = both_paths(
+        monkeypatch, lambda: tfde.DynamicEmbeddingOptimizer(K.Ftrl(0.1)), graph=False, backend=backend
+    )
     assert_same(fused, python)
 
 
-def test_what_the_kernel_does_not_cover_takes_the_python_path(monkeypatch):
-    """Ftrl with another learning_rate_power, clipping: the Python path."""
-    for make in (lambda: K.Ftrl(0.1, learning_rate_power=-0.7), lambda: K.Adam(0.01, clipnorm=1.0)):
+def test_what_the_kernel_does_not_cover_takes_the_python_path(monkeypatch, backend):
+    """Ftrl with another learning_rate_power, clipping, (on Redis) float16
+    tables: the Python path."""
+    cases = [
+        (lambda: K.Ftrl(0.1, learning_rate_power=-0.7), tf.float32),
+        (lambda: K.Adam(0.01, clipnorm=1.0), tf.float32),
+    ]
+    if backend == "redis":
+        cases.append((lambda: K.Adam(0.01), tf.float16))
+    for make, dtype in cases:
         calls = Calls(monkeypatch)
-        assert train(lambda: tfde.DynamicEmbeddingOptimizer(make()))
+        assert train(lambda: tfde.DynamicEmbeddingOptimizer(make()), value_dtype=dtype, backend=backend)
         assert calls.count == 0
 
 
@@ -269,3 +327,44 @@ def test_the_lookup_op_refuses_a_table_of_another_dim():
     assert unique[0].numpy().tolist() == [7, 5] and positions[0].numpy().tolist() == [0, 1, 0]
     np.testing.assert_array_equal(rows[0].numpy(), np.full([2, 4], 0.25, np.float32))
     assert int(var.size()) == 0  # a lookup never inserts
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"keys": tf.constant([1, 2, 1], tf.int64)}, "keys must be distinct .* key 2 repeats an earlier one"),
+        ({"grads": tf.ones([3, 3])}, r"grads must be float\[3, 4\] for 3 keys"),
+        ({"grads": tf.ones([4, 4])}, r"grads must be float\[3, 4\] for 3 keys"),
+        ({"grads": tf.ones([3, 4], tf.float64)}, "expected to be a (double|float) tensor"),
+        ({"hyper": tf.ones([3])}, "hyper must be a float vector of at least 6 values"),
+        ({"step": None}, "the fused step needs the training step's number, got -1"),
+        ({"slot_init": [0.0]}, r"rule 'adam' keeps 2 slot\(s\)"),
+        ({"missing": tf.ones([2, 4])}, r"defaults must have shape \[3, 4\] or \[1, 4\]"),
+    ],
+)
+def test_the_redis_apply_op_refuses_bad_inputs_and_writes_nothing(change, match):
+    """TfdeRedisApply (RedisTable.apply_step) checks every input before it
+    reads or sends anything: the tables stay empty, and the same call with
+    good inputs writes."""
+    creator = _creator("redis")
+    rows, m, v = (tfde.Variable(name, dim=4, table_creator=creator) for name in ("rows", "m", "v"))
+    good = dict(
+        keys=tf.constant([1, 2, 3], tf.int64),
+        grads=tf.ones([3, 4]),
+        missing=InitSpec("constant", 0.5, 0.0, 0),
+        slots=[m._tables[0], v._tables[0]],
+        step=tf.constant(7, tf.int64),
+        hyper=tf.constant([0.1, 0.0, 0.1, 0.1, 0.001, 1e-7]),
+    )
+    rule = dict(rule="adam", slot_init=[0.0, 0.0])
+    rule.update({k: change.pop(k) for k in list(change) if k == "slot_init"})
+    with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+        rows._tables[0].apply_step(**{**good, **change}, **rule)
+    assert [int(t.size()) for t in (rows, m, v)] == [0, 0, 0]
+    assert int(rows._tables[0].apply_step(**good, rule="adam", slot_init=[0.0, 0.0])) == 3
+    assert [int(t.size()) for t in (rows, m, v)] == [3, 3, 3]
+    nan = tf.constant([[1.0] * 4, [np.nan] * 4, [1.0] * 4])  # key 2's gradient is not finite: left as it is
+    before = rows.lookup(tf.constant([2], tf.int64)).numpy()
+    again = {**good, "grads": nan, "step": tf.constant(8, tf.int64)}
+    assert int(rows._tables[0].apply_step(**again, rule="adam", slot_init=[0.0, 0.0])) == 2
+    np.testing.assert_array_equal(rows.lookup(tf.constant([2], tf.int64)).numpy(), before)

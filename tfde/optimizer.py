@@ -41,7 +41,7 @@ from tfde.flavour import flavour_fix, keras_flavour_name
 from tfde.optimizer_rules import RULES, hp
 from tfde.optimizer_rules import rule_for as _rule_for
 from tfde.saving import registered as _registered
-from tfde.variable import exclusively, is_step_buffer, next_training_step
+from tfde.variable import exclusively, is_step_buffer, next_training_step, training_step
 
 
 def _check_options(opt):
@@ -174,13 +174,16 @@ class DynamicEmbeddingMixin:
         rule = self._tfde_rule
         fused = step_kernels.step_qualifies(self, rule)
         ex = _exchange.active()
-        # Alone, a qualifying Variable's buffer gradient goes to the fused
-        # kernel as it is: the kernel sums it per key (tfde/step_kernels.py).
+        # Alone, a qualifying cuckoo Variable's buffer gradient goes to the
+        # fused kernel as it is: the kernel sums it per key
+        # (tfde/step_kernels.py); a Redis one's comes summed (prepared).
         # (Not when the exchange scales the gradients: semi-synchronous
         # training's local steps under tf.distribute, tfde/semi_sync.py.)
         alone = not ex.collective and ex.gradient_scale(self) == 1.0
         direct = [] if not alone or not fused else [(g, v._tfde_variable) for g, v in sparse if g is not None]
-        direct = [(g, var) for g, var in direct if step_kernels.qualifies(var)]
+        direct = [
+            (g, var) for g, var in direct if step_kernels.qualifies(var) and step_kernels.takes_buffer_gradients(var)
+        ]
         taken = {id(var) for _, var in direct}
         prepared = self._tfde_prepare_all(
             [(g, v._tfde_variable) for g, v in sparse if id(v._tfde_variable) not in taken]
@@ -253,7 +256,7 @@ class DynamicEmbeddingMixin:
             section = group[0].var._write_section
 
             def fused(keys, group=group):
-                written = step_kernels.apply(self, rule, group, lr, keys)
+                written = step_kernels.apply(self, rule, group, lr, keys, step=training_step())
                 return tf.add_n(written), written
 
             by_section.setdefault(id(section), (section, []))[1].append(([p.keys for p in group], fused))

@@ -8,12 +8,17 @@ group of Variables sharing a write section and dtypes
 (backends/cuckoo/step_ops.cc): it sums each key's gradient, skips keys whose
 gradient is not finite, reads rows and optimizer slots, applies the rule of
 tfde/optimizer_rules.py (the same formulas in C++: backends/cuckoo/rules.h)
-and writes rows and slots back.  Everything else takes the Python path of
-the optimizer, which stays the reference:
+and writes rows and slots back.  A Variable on Redis gets one
+TfdeRedisApply op (backends/redis/ops.cc, RedisTable.apply_step) for its
+gradients summed per key: it reads the rows and slots before the step (the
+step's kept read, the rest in one round trip), applies the same C++ rule and
+writes rows and slots in the grouped insert's transactions, as a training
+write (a step run again applies once).  Everything else takes the Python
+path of the optimizer, which stays the reference:
 
 * a Variable qualifies when its tables and its slots' are in-process cuckoo
-  tables, one shard each, with no restrict policy, admission filter or change
-  tracking (`qualifies`);
+  tables, or float32 / float64 Redis tables of one creator, one shard each,
+  with no restrict policy, admission filter or change tracking (`qualifies`);
 * an optimizer step qualifies unless it clips (clipnorm, clipvalue,
   global_clipnorm) or scales the loss (`step_qualifies`).
 
@@ -31,6 +36,7 @@ from tfde import _native, optimizer_rules
 from tfde import initializers as _init
 from tfde.optimizer_rules import hp
 from tfde.tables.cuckoo import CuckooTable
+from tfde.tables.redis_table import RedisTable
 
 enabled = True  # False: every Variable takes the optimizer's Python path
 
@@ -64,14 +70,30 @@ class Part:
 
 
 def qualifies(var) -> bool:
-    """Whether `var`'s training writes can take the fused step."""
+    """Whether `var`'s training writes can take the fused step: on
+    in-process cuckoo tables (TfdeTableApply) or on Redis tables of one
+    creator, float32 or float64 (TfdeRedisApply, RedisTable.apply_step)."""
     if not enabled or var.num_shards != 1 or var.restrict_policy is not None:
         return False
     if var.admission_filter is not None or var.changes is not None:
         return False
+    return takes_buffer_gradients(var) or _on_redis(var)
+
+
+def takes_buffer_gradients(var) -> bool:
+    """Whether the fused step can take `var`'s step-buffer gradient as it is
+    (keys repeated, summed in the kernel): its cuckoo kernel can; on Redis
+    the gradients come summed per key."""
     return all(isinstance(t, CuckooTable) for t in var._train_tables()) and all(
         isinstance(t, CuckooTable) for s in var.slots.values() for t in s._train_tables()
     )
+
+
+def _on_redis(var) -> bool:
+    tables = var._train_tables()
+    if not isinstance(tables[0], RedisTable) or var.value_dtype not in (tf.float32, tf.float64):
+        return False
+    return all(tables[0]._shares_transactions_with(t) for s in var.slots.values() for t in s._train_tables())
 
 
 def lookup_qualifies(var) -> bool:
@@ -183,16 +205,22 @@ def _hyper(opt, rule, lr, compute):
 
 
 def group_key(part: Part):
-    """Parts with the same key are written by one op."""
+    """Parts with the same key are written by one op (on Redis: one op each,
+    in one group)."""
     var = part.var
-    return (id(var._write_section), var.key_dtype, var.value_dtype)
+    return (id(var._write_section), var.key_dtype, var.value_dtype, _on_redis(var))
 
 
-def apply(opt, rule, parts: List[Part], lr, keys: Optional[list] = None) -> List[tf.Tensor]:
+def apply(opt, rule, parts: List[Part], lr, keys: Optional[list] = None, step=None) -> List[tf.Tensor]:
     """One TfdeTableApply op writing `parts` (one group_key; their slot
-    Variables exist); `keys`: the parts' keys as the write section hands them
-    (default: part.keys).  Returns the keys written per part (int64
+    Variables exist), or on Redis one TfdeRedisApply per part; `keys`: the
+    parts' keys as the write section hands them (default: part.keys);
+    `step`: the training step's number, which a Redis write carries
+    (tfde.variable.training_step).  Returns the keys written per part (int64
     scalars)."""
+    if _on_redis(parts[0].var):
+        keys = keys if keys is not None else [p.keys for p in parts]
+        return [_apply_redis(opt, rule, p, lr, k, step) for p, k in zip(parts, keys)]
     var0 = parts[0].var
     compute = tf.float64 if var0.value_dtype == tf.float64 else tf.float32
     slots = rule.slots(opt)
@@ -224,5 +252,29 @@ def apply(opt, rule, parts: List[Part], lr, keys: Optional[list] = None) -> List
         init_p0=p0,
         init_p1=p1,
         init_seed=seeds,
+        **_flags(opt, rule),
+    )
+
+
+def _apply_redis(opt, rule, part: Part, lr, keys, step) -> tf.Tensor:
+    """The fused step of one Variable on Redis (RedisTable.apply_step): its
+    part's keys are distinct and its gradients summed per key (the
+    optimizer's prepared gradients), so `indices` is 0..n-1; `step`: the
+    training step's number (tfde.variable.training_step)."""
+    var = part.var
+    if part.defaults is not None:
+        raise ValueError(f"the fused step on Redis takes summed gradients; {var.name!r} came with step-buffer rows")
+    compute = var.value_dtype  # float32 or float64 (_on_redis)
+    slots = rule.slots(opt)
+    table = var._train_tables()[0]
+    return table.apply_step(
+        keys,
+        tf.cast(part.values, compute),
+        var._missing(part.keys, for_update=True),
+        [var.slot(name, init)._train_tables()[0] for name, init in slots],
+        step,
+        _hyper(opt, rule, tf.cast(lr, compute), compute),
+        slot_init=[float(init) for _, init in slots],
+        decay=bool(part.decay),
         **_flags(opt, rule),
     )

@@ -2,13 +2,16 @@
 // one client (resp_client.h: one retry policy, one error translation).
 // TfdeRedisFind (rows and an exists mask, missing keys from an init spec or
 // defaults), TfdeRedisInsert (upsert), TfdeRedisInsertGroup (a step's row
-// and slot tables in transactions), TfdeRedisAccum (server-side addition,
-// applied once per chunk), TfdeRedisRemove, TfdeRedisSize, TfdeRedisClear
-// and TfdeRedisExport (HSCAN), used by tfde/tables/redis_table.py and by
+// and slot tables in transactions), TfdeRedisApply (the fused step's
+// optimizer write: reads, rule and grouped insert in one op),
+// TfdeRedisAccum (server-side addition, applied once per chunk),
+// TfdeRedisRemove, TfdeRedisSize, TfdeRedisClear and TfdeRedisExport
+// (HSCAN), used by tfde/tables/redis_table.py and by
 // serving exports that keep reading Redis.  Thin: validates shapes, routes
 // keys to buckets as redis_table.py lays them out, and pipelines the
 // commands through resp_client.h.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstdio>
@@ -22,10 +25,12 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "../cuckoo/hash.h"
 #include "../cuckoo/op_support.h"
+#include "../cuckoo/rules.h"
 #include "resp_client.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -983,7 +988,22 @@ class RedisInsertGroupOp : public RedisOpBase {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &written));
     written->scalar<int64_t>()() = n;
     if (n == 0) return;
-    const Routed keyed = Route<TK>(keys);
+    WriteGroup(ctx, Route<TK>(keys), rows, row_bytes, step, nullptr);
+  }
+
+ protected:
+  // Computes the rows a training step writes (TfdeRedisApply) from `old`:
+  // per (table, bucket) at t * nb + b, each key's row before the step in
+  // keyed.by_bucket[b]'s order ("" for an absent key); it fills the buffers
+  // WriteGroup's `rows` point to.  Throws to fail the write (nothing sent).
+  using Update = std::function<void(const std::vector<std::vector<std::string>>& old)>;
+
+  // The write of Compute for the keys of `keyed`: rows[t] + i * row_bytes[t]
+  // is table t's row of key i.  With `update` (step >= 0) the rows are
+  // computed by it once the rows before the step are known.
+  void WriteGroup(OpKernelContext* ctx, const Routed& keyed, const std::vector<const char*>& rows,
+                  const std::vector<size_t>& row_bytes, int64_t step, const Update& update) {
+    const size_t tables = rows.size();
     const size_t nb = buckets_.size();
     const std::string what = "grouped insert into " + std::to_string(tables) + " tables";
     // A training step's write (step >= 0) stamps its buckets and keeps the
@@ -1010,6 +1030,25 @@ class RedisInsertGroupOp : public RedisOpBase {
     if (std::find(unread.begin(), unread.end(), 1) != unread.end()) {
       try {
         ReadBeforeStep(keyed, unread, stamp, &old, &again);
+      } catch (const std::exception& e) {
+        Fail(ctx, what.c_str(), e);  // nothing was written
+        return;
+      }
+    }
+    if (update) {
+      try {
+        // A bucket an earlier attempt of this step wrote (its stamp is this
+        // step's) holds that attempt's rows: the step computes from the rows
+        // kept from before it, as a read of the step returns them.
+        for (size_t tb = 0; tb < tables * nb; ++tb) {
+          const std::vector<int64_t>& at = keyed.by_bucket[tb % nb];
+          if (at.empty() || !unread[tb / nb] || !again[tb]) continue;
+          const std::string& bucket = BucketOf(tb / nb, tb % nb);
+          if (!StepUndo::Restore(TableAt(bucket), step, keyed.fields, at,
+                                 [&](size_t j, const std::string& row) { old[tb][j] = row; }))
+            throw resp::Error(NothingKept(bucket, step), resp::ErrorKind::kRefused);
+        }
+        update(old);
       } catch (const std::exception& e) {
         Fail(ctx, what.c_str(), e);  // nothing was written
         return;
@@ -1138,7 +1177,7 @@ class RedisInsertGroupOp : public RedisOpBase {
     if (!lost.empty()) Fail(ctx, what.c_str(), resp::Error(lost, resp::ErrorKind::kTableLost));
   }
 
- private:
+ protected:
   // Fills table t's `old` and `again` (see ReadBeforeStep) from this
   // step's latest read of the table, if it holds every key and bucket of the
   // write; returns whether it did.  In a bucket an earlier attempt of the
@@ -1255,6 +1294,200 @@ TFDE_REGISTER_REDIS_GROUP(int32_t);
 TFDE_REGISTER_REDIS_GROUP(int64_t);
 TFDE_REGISTER_REDIS_GROUP(tstring);
 // ------------------------------------------------------------ end of grouped insert
+
+// ------------------------------------------------------------ the fused step's write
+// TfdeRedisApply: a training step's optimizer write of one Variable whose
+// row table and slot tables are Redis tables of one creator
+// (tfde/step_kernels.py: the fused step on Redis).  Inputs: the distinct
+// keys the step trains, their gradients summed over the step (the compute
+// type: float for float32 tables, double for float64), the rows a missing
+// key starts from (`defaults`, or the init attrs), the step and the rule's
+// scalars (backends/cuckoo/rules.h Hyper).  In one op: keys whose gradient
+// is not finite are dropped; the rows and slots before the step come from
+// the step's kept read where it holds them, the rest from one pipelined
+// read (the grouped insert's first round trip, which reads them anyway to
+// keep them for a replay); the rule of tfde/optimizer_rules.py runs row by
+// row (rules.h, the same float operations); the rows and slots are written
+// in the grouped insert's transactions, stamped and kept as a training
+// write is (a step run again applies once).  Output: the keys written.
+template <class TK>
+class RedisApplyOp : public RedisInsertGroupOp<TK> {
+  using Base = RedisInsertGroupOp<TK>;
+
+ public:
+  explicit RedisApplyOp(OpKernelConstruction* ctx) : Base(ctx) {
+    if (!ctx->status().ok()) return;
+    OP_REQUIRES_OK(ctx, ReadInitSpec(ctx, &missing_.spec));
+    std::string rule;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule));
+    try {
+      spec_.kind = ParseRuleKind(rule);
+    } catch (const std::exception& e) {
+      ctx->CtxFailure(errors::InvalidArgument(e.what()));
+      return;
+    }
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("momentum", &spec_.momentum));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("nesterov", &spec_.nesterov));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("amsgrad", &spec_.amsgrad));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("centered", &spec_.centered));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_init", &slot_init_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
+    const size_t slots = static_cast<size_t>(spec_.NumSlots());
+    OP_REQUIRES(
+        ctx, this->other_dims_.size() == slots && slot_init_.size() == slots,
+        errors::InvalidArgument("rule '", rule, "' keeps ", slots, " slot(s): expected as many slot tables and ",
+                                "slot_init values, got ", this->other_dims_.size(), " and ", slot_init_.size()));
+    OP_REQUIRES(ctx, this->value_dtype_ == ::tensorflow::DT_FLOAT || this->value_dtype_ == ::tensorflow::DT_DOUBLE,
+                errors::InvalidArgument("the fused step on Redis takes float32 or float64 tables, got ",
+                                        DataTypeString(this->value_dtype_)));
+    for (size_t s = 0; s < slots; ++s)
+      OP_REQUIRES(ctx, this->other_dims_[s] == this->dim_ && this->other_dtypes_[s] == this->value_dtype_,
+                  errors::InvalidArgument("slot table '", this->other_names_[s], "' must be ",
+                                          DataTypeString(this->value_dtype_), "[", this->dim_, "] like its rows, got ",
+                                          DataTypeString(this->other_dtypes_[s]), "[", this->other_dims_[s], "]"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& keys = ctx->input(0);
+    const Tensor& grads = ctx->input(1);
+    const Tensor& hyper = ctx->input(4);
+    const int64_t dim = this->dim_;
+    const DataType compute = this->value_dtype_;  // float32 or float64 tables only (see the constructor)
+    // Every input is checked before anything is read or sent.
+    OP_REQUIRES(ctx, keys.dims() == 1,
+                errors::InvalidArgument("keys must be a vector, got shape ", keys.shape().DebugString()));
+    const int64_t n = keys.dim_size(0);
+    OP_REQUIRES(ctx,
+                grads.dtype() == compute && grads.dims() == 2 && grads.dim_size(0) == n && grads.dim_size(1) == dim,
+                errors::InvalidArgument("grads must be ", DataTypeString(compute), "[", n, ", ", dim, "] for ", n,
+                                        " keys and a ", this->Describe(), ", got ", DataTypeString(grads.dtype()),
+                                        grads.shape().DebugString()));
+    MissingRows missing = missing_;
+    OP_REQUIRES_OK(ctx, missing.Prepare(ctx->input(2), n, dim, this->Describe()));
+    int64_t step;
+    OP_REQUIRES_OK(ctx, ReadStep(ctx, 3, &step));
+    OP_REQUIRES(ctx, step >= 0, errors::InvalidArgument("the fused step needs the training step's number, got ", step));
+    OP_REQUIRES(
+        ctx, hyper.dtype() == compute && hyper.dims() == 1 && hyper.dim_size(0) >= spec_.NumHyper(),
+        errors::InvalidArgument("hyper must be a ", DataTypeString(compute), " vector of at least ", spec_.NumHyper(),
+                                " values, got ", DataTypeString(hyper.dtype()), hyper.shape().DebugString()));
+    Tensor* written = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &written));
+    written->scalar<int64_t>()() = 0;
+    if (n == 0) return;
+    const typename Base::Routed all = this->template Route<TK>(keys);
+    {
+      std::unordered_set<std::string_view> seen;
+      seen.reserve(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i)
+        OP_REQUIRES(ctx, seen.insert(all.fields[i]).second,
+                    errors::InvalidArgument("keys must be distinct (their gradients summed per key); key ", i,
+                                            " repeats an earlier one"));
+    }
+    auto run = [&](auto v) {
+      using V = decltype(v);  // float or double: the compute type too
+      const V* g = grads.flat<V>().data();
+      // Keys whose summed gradient is finite; the others keep
+      // their rows and slots as they are.
+      std::vector<int64_t> kept;
+      kept.reserve(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        bool finite = true;
+        for (int64_t c = 0; c < dim && finite; ++c) finite = std::isfinite(g[i * dim + c]);
+        if (finite) kept.push_back(i);
+      }
+      written->scalar<int64_t>()() = static_cast<int64_t>(kept.size());
+      if (kept.empty()) return;
+      Tensor kept_keys(keys.dtype(), TensorShape({static_cast<int64_t>(kept.size())}));
+      auto from = keys.flat<TK>();
+      auto to = kept_keys.flat<TK>();
+      for (size_t k = 0; k < kept.size(); ++k) to(k) = from(kept[k]);
+      const typename Base::Routed keyed = this->template Route<TK>(kept_keys);
+      const size_t tables = 1 + this->other_dims_.size(), nb = this->buckets_.size();
+      const size_t row_bytes = static_cast<size_t>(dim) * sizeof(V);
+      std::vector<std::vector<char>> out(tables, std::vector<char>(kept.size() * row_bytes));
+      std::vector<const char*> rows(tables);
+      for (size_t t = 0; t < tables; ++t) rows[t] = out[t].data();
+      Hyper<V> hy;
+      const V* h = hyper.flat<V>().data();
+      for (int i = 0; i < spec_.NumHyper(); ++i) hy.h[i] = h[i];
+      if (!decay_) hy.h[1] = V(0);
+      auto update = [&](const std::vector<std::vector<std::string>>& old) {
+        std::vector<V*> slot_rows(tables - 1);
+        for (size_t b = 0; b < nb; ++b) {
+          const std::vector<int64_t>& at = keyed.by_bucket[b];
+          for (size_t j = 0; j < at.size(); ++j) {
+            const int64_t k = at[j];  // among the kept keys
+            for (size_t t = 0; t < tables; ++t) {
+              const std::string& before = old[t * nb + b][j];
+              V* row = reinterpret_cast<V*>(out[t].data() + k * row_bytes);
+              if (before.empty()) {  // absent: its starting row
+                if (t == 0) {
+                  missing.template Fill<V>(kept[k], keyed.hashes[k], dim, reinterpret_cast<char*>(row));
+                } else {
+                  std::fill(row, row + dim, static_cast<V>(slot_init_[t - 1]));
+                }
+              } else if (before.size() != row_bytes) {
+                throw std::length_error("a row in " + this->BucketOf(t, b) + " has " + std::to_string(before.size()) +
+                                        " bytes, expected " + std::to_string(row_bytes) +
+                                        ": the table holds another dim or dtype");
+              } else {
+                std::memcpy(row, before.data(), row_bytes);
+              }
+              if (t > 0) slot_rows[t - 1] = row;
+            }
+            ApplyRule<V>(spec_, hy, dim, reinterpret_cast<V*>(out[0].data() + k * row_bytes), g + kept[k] * dim,
+                         slot_rows.data());
+          }
+        }
+      };
+      this->WriteGroup(ctx, keyed, rows, std::vector<size_t>(tables, row_bytes), step, update);
+    };
+    if (compute == ::tensorflow::DT_DOUBLE) {
+      run(double{});
+    } else {
+      run(float{});
+    }
+  }
+
+ private:
+  MissingRows missing_;
+  RuleSpec spec_;
+  std::vector<float> slot_init_;
+  bool decay_ = false;
+};
+
+REGISTER_OP("TfdeRedisApply")
+    .Input("keys: Tkey")
+    .Input("grads: Tvalue")
+    .Input("defaults: Tvalue")
+    .Input("step: int64")
+    .Input("hyper: Tvalue")
+    .Output("written: int64")
+    .TFDE_REDIS_ATTRS.Attr("Tothers: list({float, double, half, bfloat16}) >= 0")
+    .Attr("other_dims: list(int)")
+    .Attr("other_buckets: list(string)")
+    .Attr("other_names: list(string)")
+    .Attr("rule: string")
+    .Attr("momentum: bool = false")
+    .Attr("nesterov: bool = false")
+    .Attr("amsgrad: bool = false")
+    .Attr("centered: bool = false")
+    .Attr("slot_init: list(float)")
+    .Attr("decay: bool = false")
+    .Attr("init_kind: {'defaults', 'constant', 'uniform', 'normal', 'truncated_normal'} = 'defaults'")
+    .Attr("init_p0: float = 0.0")
+    .Attr("init_p1: float = 0.0")
+    .Attr("init_seed: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape);
+
+#define TFDE_REGISTER_REDIS_APPLY(TK)                                                                         \
+  REGISTER_KERNEL_BUILDER(Name("TfdeRedisApply").Device(::tensorflow::DEVICE_CPU).TypeConstraint<TK>("Tkey"), \
+                          RedisApplyOp<TK>)
+TFDE_REGISTER_REDIS_APPLY(int32_t);
+TFDE_REGISTER_REDIS_APPLY(int64_t);
+TFDE_REGISTER_REDIS_APPLY(tstring);
 
 // ------------------------------------------------------------ accum, remove, size, clear
 // The rest of a table's operations on the training path, on the same client

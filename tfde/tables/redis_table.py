@@ -861,6 +861,45 @@ class RedisTable(Table, trackable_base.Trackable):
             )
         ]
 
+    def apply_step(self, keys, grads, missing, slots: list, step, hyper, **rule) -> tf.Tensor:
+        """The fused step's write (tfde/step_kernels.py) of a Variable whose
+        rows are here and whose optimizer slots are the RedisTables `slots`
+        (each shares transactions with this one): TfdeRedisApply reads the
+        rows and slots of the distinct `keys` ([n]) before the step (the
+        step's kept read, the rest in one round trip), applies the rule to
+        their summed gradients `grads` ([n, dim], this table's value dtype)
+        with the step's scalars `hyper`, and writes rows and slots as
+        insert_with does, in its transactions; a key whose gradient is not
+        finite is left as it is, and a missing key starts from `missing`
+        (an InitSpec or rows).  `rule`: the op's rule attrs (rule, momentum,
+        nesterov, amsgrad, centered, slot_init, decay).  Returns the number
+        of keys written."""
+        if not all(self._shares_transactions_with(t) for t in slots):
+            raise ConfigError(
+                f"the optimizer slots of Redis table {self.name!r} must be tables of the same Redis config "
+                "and hash tags (a Variable's slots made with Variable.slot are)"
+            )
+        keys = as_keys(keys, self.key_dtype, self.name)
+        defaults, init = native_missing_args(missing, self)
+        return self._native_call(
+            "apply",
+            lambda: self._ops.tfde_redis_apply(
+                keys,
+                grads,
+                defaults,
+                _step_arg(step),
+                hyper,
+                dim=self.dim,
+                Tothers=[t.value_dtype for t in slots],
+                other_dims=[t.dim for t in slots],
+                other_buckets=[b for t in slots for b in t._buckets],
+                other_names=[t.name for t in slots],
+                **rule,
+                **init,
+                **self._attrs,
+            ),
+        )
+
     def _shares_transactions_with(self, table) -> bool:
         """Whether `table` can be written in the same Redis transactions as
         this table: the same servers and credentials, key dtype and buckets'
