@@ -1,14 +1,17 @@
 // Pieces shared by tfde's TensorFlow op kernels (cuckoo tables, Redis
-// serving reads): value-type dispatch, the init attrs, and the rows a
-// missing key reads.  TensorFlow-dependent; the table cores are not.
+// serving reads): value-type dispatch, the init attrs, the rows a missing
+// key reads, and the rule attrs of the fused step's apply ops.
+// TensorFlow-dependent; the table cores are not.
 #ifndef TFDE_BACKENDS_CUCKOO_OP_SUPPORT_H_
 #define TFDE_BACKENDS_CUCKOO_OP_SUPPORT_H_
 
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "init_rows.h"
+#include "rules.h"
 #include "tensorflow/core/framework/bfloat16.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -71,6 +74,24 @@ inline ::absl::Status ReadInitSpec(OpKernelConstruction* ctx, InitSpec* spec) {
   spec->p1 = p1;
   spec->seed = seed;
   return ::absl::OkStatus();
+}
+
+// Reads the rule attrs shared by the fused step's apply ops (TfdeTableApply,
+// TfdeRedisApply): `rule` and its options into `spec`, and the slots'
+// initial values.
+inline ::absl::Status ReadRuleAttrs(OpKernelConstruction* ctx, std::string* rule, RuleSpec* spec,
+                                    std::vector<float>* slot_init) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("rule", rule));
+  try {
+    spec->kind = ParseRuleKind(*rule);
+  } catch (const std::exception& e) {
+    return errors::InvalidArgument(e.what());
+  }
+  TF_RETURN_IF_ERROR(ctx->GetAttr("momentum", &spec->momentum));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("nesterov", &spec->nesterov));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("amsgrad", &spec->amsgrad));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("centered", &spec->centered));
+  return ctx->GetAttr("slot_init", slot_init);
 }
 
 // Source of a missing key's row: the `defaults` tensor ([n, dim] or [1, dim])

@@ -148,18 +148,7 @@ class TableApplyOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tvalue", &value_dtype_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tgrad", &grad_dtype_));
     std::string rule;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule));
-    try {
-      spec_.kind = ParseRuleKind(rule);
-    } catch (const std::exception& e) {
-      ctx->CtxFailure(errors::InvalidArgument(e.what()));
-      return;
-    }
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("momentum", &spec_.momentum));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("nesterov", &spec_.nesterov));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("amsgrad", &spec_.amsgrad));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("centered", &spec_.centered));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_init", &slot_init_));
+    OP_REQUIRES_OK(ctx, ReadRuleAttrs(ctx, &rule, &spec_, &slot_init_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
     std::vector<std::string> kinds;
     std::vector<float> p0, p1;

@@ -1319,18 +1319,7 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
     if (!ctx->status().ok()) return;
     OP_REQUIRES_OK(ctx, ReadInitSpec(ctx, &missing_.spec));
     std::string rule;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule));
-    try {
-      spec_.kind = ParseRuleKind(rule);
-    } catch (const std::exception& e) {
-      ctx->CtxFailure(errors::InvalidArgument(e.what()));
-      return;
-    }
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("momentum", &spec_.momentum));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("nesterov", &spec_.nesterov));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("amsgrad", &spec_.amsgrad));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("centered", &spec_.centered));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("slot_init", &slot_init_));
+    OP_REQUIRES_OK(ctx, ReadRuleAttrs(ctx, &rule, &spec_, &slot_init_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
     const size_t slots = static_cast<size_t>(spec_.NumSlots());
     OP_REQUIRES(
