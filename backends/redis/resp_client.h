@@ -64,6 +64,7 @@ constexpr int kReplicaPauseMs = 30000;  // reads stay on the master this long af
 
 constexpr int64_t kMaxBulkBytes = int64_t{512} << 20;  // Redis's own proto-max-bulk-len default
 constexpr int64_t kMaxReserve = 1 << 16;               // array slots reserved up front; more grow as read
+constexpr size_t kMaxSpareBytes = size_t{1} << 20;     // reply strings a connection keeps for reuse
 
 // Milliseconds to wait before the next attempt after `failures` (1, 2, ...)
 // failures in a row: kBackoffBaseMs doubling, at most kBackoffMaxMs.  The
@@ -251,6 +252,7 @@ class Connection {
             if (spare_.empty()) {
               r->elements.emplace_back();
             } else {
+              spare_bytes_ -= spare_.back().str.capacity();
               r->elements.push_back(std::move(spare_.back()));
               spare_.pop_back();
             }
@@ -390,12 +392,18 @@ class Connection {
   }
 
   // Keeps the first `keep` of *elements; the rest (and their own elements)
-  // go to spare_, at most kMaxReserve of them, for later replies to reuse.
+  // go to spare_ for later replies to reuse, at most kMaxReserve of them
+  // holding kMaxSpareBytes of strings: a connection keeps little between
+  // calls, however large a reply was.
   void Recycle(std::vector<Reply>* elements, size_t keep) {
     for (size_t i = keep; i < elements->size(); ++i) {
       Reply& e = (*elements)[i];
       Recycle(&e.elements, 0);
-      if (spare_.size() < static_cast<size_t>(kMaxReserve)) spare_.push_back(std::move(e));
+      const size_t bytes = e.str.capacity();
+      if (spare_.size() < static_cast<size_t>(kMaxReserve) && spare_bytes_ + bytes <= kMaxSpareBytes) {
+        spare_bytes_ += bytes;
+        spare_.push_back(std::move(e));
+      }
     }
     elements->resize(keep);
   }
@@ -415,6 +423,7 @@ class Connection {
   std::vector<char> in_;  // bytes received: parsed before begin_, not parsed yet in [begin_, end_)
   size_t begin_ = 0, end_ = 0;
   std::vector<Reply> spare_;  // elements of earlier replies, for ReadInto to reuse
+  size_t spare_bytes_ = 0;    // the capacity of their strings
 };
 
 // Where and how to connect; mirrors the Redis JSON config's fields.
