@@ -1364,7 +1364,7 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &written));
     written->scalar<int64_t>()() = 0;
     if (n == 0) return;
-    const typename Base::Routed all = this->template Route<TK>(keys);
+    typename Base::Routed all = this->template Route<TK>(keys);
     {
       std::unordered_set<std::string_view> seen;
       seen.reserve(static_cast<size_t>(n));
@@ -1387,11 +1387,7 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
       }
       written->scalar<int64_t>()() = static_cast<int64_t>(kept.size());
       if (kept.empty()) return;
-      Tensor kept_keys(keys.dtype(), TensorShape({static_cast<int64_t>(kept.size())}));
-      auto from = keys.flat<TK>();
-      auto to = kept_keys.flat<TK>();
-      for (size_t k = 0; k < kept.size(); ++k) to(k) = from(kept[k]);
-      const typename Base::Routed keyed = this->template Route<TK>(kept_keys);
+      const typename Base::Routed keyed = Only(std::move(all), kept);
       const size_t tables = 1 + this->other_dims_.size(), nb = this->buckets_.size();
       const size_t row_bytes = static_cast<size_t>(dim) * sizeof(V);
       std::vector<std::vector<char>> out(tables, std::vector<char>(kept.size() * row_bytes));
@@ -1440,6 +1436,23 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
   }
 
  private:
+  // `all` for the keys at positions `kept` (ascending) only, numbered
+  // 0..kept.size()-1 in that order (each bucket's keys stay in batch order).
+  static typename Base::Routed Only(typename Base::Routed all, const std::vector<int64_t>& kept) {
+    typename Base::Routed only;
+    std::vector<int64_t> number(all.fields.size(), -1);
+    for (size_t k = 0; k < kept.size(); ++k) {
+      number[kept[k]] = static_cast<int64_t>(k);
+      only.hashes.push_back(all.hashes[kept[k]]);
+      only.fields.push_back(std::move(all.fields[kept[k]]));
+    }
+    only.by_bucket.resize(all.by_bucket.size());
+    for (size_t b = 0; b < all.by_bucket.size(); ++b)
+      for (int64_t i : all.by_bucket[b])
+        if (number[i] >= 0) only.by_bucket[b].push_back(number[i]);
+    return only;
+  }
+
   MissingRows missing_;
   RuleSpec spec_;
   std::vector<float> slot_init_;

@@ -181,6 +181,17 @@ return (#ARGV - 3) / 3
 _NO_STEP = -1  # the step input of the native ops outside a training step
 
 
+def _other_tables_attrs(tables) -> dict:
+    """The attrs naming the tables a grouped write (TfdeRedisInsertGroup,
+    TfdeRedisApply) writes beside its own: their dims, buckets (table-major)
+    and names."""
+    return {
+        "other_dims": [t.dim for t in tables],
+        "other_buckets": [b for t in tables for b in t._buckets],
+        "other_names": [t.name for t in tables],
+    }
+
+
 def _step_arg(step):
     return tf.constant(_NO_STEP, tf.int64) if step is None else tf.cast(step, tf.int64)
 
@@ -853,9 +864,7 @@ class RedisTable(Table, trackable_base.Trackable):
                     rows[1:],
                     _step_arg(step),
                     dim=self.dim,
-                    other_dims=[t.dim for t in others_tables],
-                    other_buckets=[b for t in others_tables for b in t._buckets],
-                    other_names=[t.name for t in others_tables],
+                    **_other_tables_attrs(others_tables),
                     **self._attrs,
                 ),
             )
@@ -891,9 +900,7 @@ class RedisTable(Table, trackable_base.Trackable):
                 hyper,
                 dim=self.dim,
                 Tothers=[t.value_dtype for t in slots],
-                other_dims=[t.dim for t in slots],
-                other_buckets=[b for t in slots for b in t._buckets],
-                other_names=[t.name for t in slots],
+                **_other_tables_attrs(slots),
                 **rule,
                 **init,
                 **self._attrs,
