@@ -109,45 +109,13 @@ export TFRA_PYTHON="$TFRA_VENV/bin/python"
 "$VENV/bin/tfde" build
 "$HVENV/bin/tfde" build
 
-# Two streams at once, because each alone leaves a core idle most of the time
-# (a Keras 3 run alone keeps 1.15 of the 2 cores busy: its tests wait on
-# worker processes, servers and sockets): the Keras 3 run in front, and the
-# tf-keras run followed by the Horovod run behind it, whose output is shown
-# when the Keras 3 run is done.  The streams share only the redis-server on
-# 6379, where every test works under a model tag of its own; each pytest
-# session has its own temporary directory.  TFDE_TEST_SERIAL=1 runs the three
-# one after another instead.
-TMP_ROOT=$(mktemp -d "${TMPDIR:-/tmp}/tfde-test.XXXXXX")
-behind() {
-  local s=0
-  echo "=== tf-keras (TF_USE_LEGACY_KERAS=1): Keras-facing tests"
-  TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
-    --basetemp="$TMP_ROOT/tf-keras" --ignore=tests/horovod -m keras "$@" || s=$?
-  echo "=== Horovod (TF 2.16.2, tf-keras, horovodrun on loopback)"
-  PATH="$HVENV/bin:$PATH" TF_USE_LEGACY_KERAS=1 "$HVENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
-    --basetemp="$TMP_ROOT/horovod" tests/horovod "$@" || s=$?
-  return $s
-}
 status=0
-if [ "${TFDE_TEST_SERIAL:-0}" = 1 ]; then
-  behind_pid=
-else
-  set -m  # its own process group, so that an early exit stops all of it
-  behind "$@" >"$TMP_ROOT/behind.log" 2>&1 &
-  behind_pid=$!
-  set +m
-  trap 'kill -- -"$behind_pid" 2>/dev/null || true' EXIT
-fi
 echo "=== Keras 3 (TF 2.21)"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 --basetemp="$TMP_ROOT/keras3" \
-  --ignore=tests/horovod "$@" || status=$?
-if [ -n "$behind_pid" ]; then
-  echo "=== (the tf-keras and Horovod runs, which ran beside it)"
-  wait "$behind_pid" || status=$?
-  trap - EXIT
-  cat "$TMP_ROOT/behind.log"
-else
-  behind "$@" || status=$?
-fi
-rm -rf "$TMP_ROOT"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod "$@" || status=$?
+echo "=== tf-keras (TF_USE_LEGACY_KERAS=1): Keras-facing tests"
+TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod -m keras "$@" \
+  || status=$?
+echo "=== Horovod (TF 2.16.2, tf-keras, horovodrun on loopback)"
+PATH="$HVENV/bin:$PATH" TF_USE_LEGACY_KERAS=1 "$HVENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/horovod "$@" \
+  || status=$?
 exit $status
