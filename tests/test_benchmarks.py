@@ -47,6 +47,7 @@ def test_the_whole_run_quick_and_its_markdown_tables():
     assert "reference: TFRA 0.8.1" in out, out[:2000]
     for part in (
         "find_batch4096_zipf",
+        "call_floor_batch4096_identity",
         "redis op",
         "two-tower training",
         "TFRA tf-keras",
