@@ -10,21 +10,9 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.table_bench import OPS  # the table's rows, in the order the benchmark prints them
+
 HERE = Path(__file__).resolve().parent
-OPS = (
-    "insert_new",
-    "insert_existing",
-    "find_hit",
-    "find_miss",
-    "accum_existing",
-    "remove",
-    "export_all",
-    "find_batch_uniform",
-    "find_batch_zipf",
-    "upsert_batch_uniform",
-    "upsert_batch_zipf",
-    "call_floor_batch_identity",  # a tf.function returning its input: the floor of the batch rows
-)
 
 
 def m(x: float) -> str:
