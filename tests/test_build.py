@@ -49,6 +49,35 @@ def test_library_from_another_build_is_rebuilt(tmp_path):
     assert "OK True True" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_a_unit_that_fails_to_compile_is_named_and_nothing_is_left(tmp_path, monkeypatch):
+    """The units compile at once, then link.  One failing unit: BuildError
+    names it and carries the compiler's message, after the other units
+    finished; no library and no work directory is left in the cache, so
+    the next start builds again."""
+    import pytest
+
+    import tfde
+    from tfde import _native
+
+    log = tmp_path / "calls.log"
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {log}\n'
+        'case "$*" in *step_ops.cc*) echo "step_ops.cc:1:1: error: made up" >&2; exit 1;; esac\n'
+        'while [ "$1" != "-o" ]; do shift; done; touch "$2"\n'
+    )
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("TFDE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(tfde.errors.BuildError, match=r"(?s)compiling tfde's cuckoo/step_ops\.cc .*failed.*made up"):
+        _native.build(force=True)
+    calls = log.read_text().splitlines()
+    assert sorted(c.split()[-1].split("/backends/")[-1] for c in calls) == sorted(_native._UNITS), calls
+    assert all(" -c " in f" {c} " for c in calls), "linked after a unit failed"
+    assert [p.name for p in (tmp_path / "cache" / "ops").iterdir()] == [".build.lock"]
+
+
 def test_cache_key_names_the_tensorflow_version():
     import tensorflow as tf
 

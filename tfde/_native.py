@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tfde.errors import BuildError
@@ -76,22 +77,35 @@ def _compiler() -> str:
     return cxx
 
 
-def _build_command(cxx: str, out: Path) -> list[str]:
+def _compile_commands(cxx: str, objects: Path) -> list[tuple[str, Path, list[str]]]:
+    """(unit, object file, command) compiling each unit into `objects`."""
     import tensorflow as tf
 
-    srcs = [str(source_dir() / unit) for unit in _UNITS]
-    return [
-        cxx,
-        "-shared",
-        "-fPIC",
-        "-O3",
-        "-Wno-deprecated-declarations",
-        "-o",
-        str(out),
-        *srcs,
-        *tf.sysconfig.get_compile_flags(),
-        *tf.sysconfig.get_link_flags(),
-    ]
+    flags = ["-fPIC", "-O3", "-Wno-deprecated-declarations", *tf.sysconfig.get_compile_flags()]
+    out = []
+    for unit in _UNITS:
+        obj = objects / (unit.replace("/", "_") + ".o")
+        out.append((unit, obj, [cxx, "-c", *flags, "-o", str(obj), str(source_dir() / unit)]))
+    return out
+
+
+def _link_command(cxx: str, objs: list[Path], out: Path) -> list[str]:
+    import tensorflow as tf
+
+    return [cxx, "-shared", "-o", str(out), *map(str, objs), *tf.sysconfig.get_link_flags()]
+
+
+def _run_build_step(what: str, cmd: list[str], verbose: bool) -> None:
+    if verbose:
+        print(f"tfde: {what}:", " ".join(cmd), file=sys.stderr)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(
+            f"{what} with {cmd[0]} failed (exit {proc.returncode}).\n"
+            f"command: {' '.join(cmd)}\n{proc.stderr[-4000:]}\n"
+            "Check that the compiler supports C++17 and that TensorFlow's headers are installed "
+            "(they ship with the tensorflow wheel)."
+        )
 
 
 def library_path() -> Path:
@@ -118,23 +132,21 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         if path.is_file() and not force:
             return path  # another process built it while we waited
         cxx = _compiler()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-        os.close(fd)
-        cmd = _build_command(cxx, Path(tmp))
-        if verbose:
-            print("tfde: building native ops:", " ".join(cmd), file=sys.stderr)
-        else:
+        if not verbose:
             print("tfde: compiling native ops for this TensorFlow (once, ~30 s) ...", file=sys.stderr)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise BuildError(
-                f"compiling tfde's ops with {cxx} failed (exit {proc.returncode}).\n"
-                f"command: {' '.join(cmd)}\n{proc.stderr[-4000:]}\n"
-                "Check that the compiler supports C++17 and that TensorFlow's headers are installed "
-                "(they ship with the tensorflow wheel)."
-            )
-        os.replace(tmp, path)
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as work:
+            # The units compile at once, one per core (each spends seconds on
+            # TensorFlow's headers), then link into the library.
+            steps = _compile_commands(cxx, Path(work))
+            with ThreadPoolExecutor(max_workers=max(1, min(len(steps), os.cpu_count() or 1))) as pool:
+                compiled = [
+                    pool.submit(_run_build_step, f"compiling tfde's {unit}", cmd, verbose) for unit, _, cmd in steps
+                ]
+                for unit in compiled:
+                    unit.result()  # the first failed unit's BuildError, once every unit finished
+            tmp = Path(work) / path.name
+            _run_build_step("linking tfde's ops", _link_command(cxx, [obj for _, obj, _ in steps], tmp), verbose)
+            os.replace(tmp, path)
     return path
 
 
