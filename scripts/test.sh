@@ -64,10 +64,19 @@ fi
 
 export TFDE_CACHE_DIR=${TFDE_CACHE_DIR:-$HOME/.cache/tfde}
 export TF_CPP_MIN_LOG_LEVEL=2
+# The tests that start no process (in-process TF, Redis on 6379 under their
+# own tags, their own temporary directories) run JOBS at once (pytest-xdist):
+# one pytest worker keeps about one core busy.  The tests that start
+# processes (worker jobs, redis-server instances, compilers: marked "slow" by
+# tests/conftest.py) already use every core, and some time their processes:
+# they run one at a time.
+JOBS=$(nproc)
+[ "$JOBS" -gt 4 ] && JOBS=4
 if [ "$FAST" = 1 ]; then
   "$VENV/bin/tfde" build
   echo "=== fast tier: Keras 3 (TF 2.21), no test that starts a process"
-  exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod -m "not slow" "$@"
+  exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod -m "not slow" \
+    -n "$JOBS" "$@"
 fi
 
 # The Horovod environment (TF 2.16.2 + tf-keras + Horovod 0.28.1 with gloo),
@@ -110,11 +119,35 @@ export TFRA_PYTHON="$TFRA_VENV/bin/python"
 "$HVENV/bin/tfde" build
 
 status=0
+# One run in two passes: `in_two_passes "MARKER EXPRESSION" ARGS...` runs the
+# selected tests that start no process JOBS at once, then those that start
+# processes one at a time.  A pass that selects nothing (pytest's exit 5, e.g.
+# for a path of fast tests only) is no failure; both selecting nothing is.
+in_two_passes() {
+  local select=$1 empty=0 rc
+  shift
+  for pass in "not slow" slow; do
+    local workers=()
+    [ "$pass" = "not slow" ] && workers=(-n "$JOBS")
+    echo "--- tests that $([ "$pass" = slow ] && echo "start processes, one at a time" || echo "start no process, $JOBS at once")"
+    rc=0
+    "$@" -m "$select${select:+ and }$pass" "${workers[@]}" || rc=$?
+    if [ "$rc" = 5 ]; then
+      empty=$((empty + 1))
+    elif [ "$rc" != 0 ]; then
+      status=$rc
+    fi
+  done
+  if [ "$empty" = 2 ]; then
+    echo "no test selected" >&2
+    status=5
+  fi
+}
+PYTEST=(-m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod)
 echo "=== Keras 3 (TF 2.21)"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod "$@" || status=$?
+in_two_passes "" "$VENV/bin/python" "${PYTEST[@]}" "$@"
 echo "=== tf-keras (TF_USE_LEGACY_KERAS=1): Keras-facing tests"
-TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod -m keras "$@" \
-  || status=$?
+in_two_passes "keras" env TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" "${PYTEST[@]}" "$@"
 echo "=== Horovod (TF 2.16.2, tf-keras, horovodrun on loopback)"
 PATH="$HVENV/bin:$PATH" TF_USE_LEGACY_KERAS=1 "$HVENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/horovod "$@" \
   || status=$?
