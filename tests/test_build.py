@@ -78,6 +78,22 @@ def test_a_unit_that_fails_to_compile_is_named_and_nothing_is_left(tmp_path, mon
     assert [p.name for p in (tmp_path / "cache" / "ops").iterdir()] == [".build.lock"]
 
 
+def test_a_cxx_that_names_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    """$CXX naming a missing file used to end in subprocess's FileNotFoundError."""
+    import pytest
+
+    import tfde
+    from tfde import _native
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("TFDE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(
+        tfde.errors.BuildError, match=r"\$CXX is '.*no-such-g\+\+', which is not an executable compiler"
+    ):
+        _native.build(force=True)
+    assert not list((tmp_path / "cache" / "ops").glob("*.so"))
+
+
 def test_cache_key_names_the_tensorflow_version():
     import tensorflow as tf
 

@@ -67,7 +67,13 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    named = os.environ.get("CXX")
+    if named and not shutil.which(named):
+        raise BuildError(
+            f"$CXX is {named!r}, which is not an executable compiler (no such file, or not executable). "
+            "Point $CXX at a C++17 compiler (e.g. `export CXX=g++`), or unset it to use g++, c++ or clang++."
+        )
+    cxx = named or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not cxx:
         raise BuildError(
             "tfde compiles its ops against your TensorFlow on first use and needs a C++17 compiler, "
