@@ -148,8 +148,8 @@ def build(force: bool = False, verbose: bool = False) -> Path:
                 compiled = [
                     pool.submit(_run_build_step, f"compiling tfde's {unit}", cmd, verbose) for unit, _, cmd in steps
                 ]
-                for unit in compiled:
-                    unit.result()  # the first failed unit's BuildError, once every unit finished
+                for future in compiled:
+                    future.result()  # the first failed unit's BuildError, once every unit finished
             tmp = Path(work) / path.name
             _run_build_step("linking tfde's ops", _link_command(cxx, [obj for _, obj, _ in steps], tmp), verbose)
             os.replace(tmp, path)
