@@ -175,9 +175,19 @@ def test_options_beyond_the_rule_are_the_same(monkeypatch, make, backend):
 
 
 @pytest.mark.parametrize(
-    "dtype,rtol,backend", [(tf.float64, 1e-12, "cuckoo"), (tf.float16, 1e-3, "cuckoo"), (tf.float64, 1e-12, "redis")]
+    "dtype,rtol,backend",
+    [
+        (tf.float64, 1e-12, "cuckoo"),
+        (tf.float16, 1e-3, "cuckoo"),
+        (tf.bfloat16, 8e-3, "cuckoo"),
+        (tf.float64, 1e-12, "redis"),
+        (tf.float16, 1e-3, "redis"),
+        (tf.bfloat16, 8e-3, "redis"),
+    ],
 )
 def test_other_value_dtypes(monkeypatch, dtype, rtol, backend):
+    # float16 and bfloat16 tables: both paths compute in float32 and round to
+    # the table's dtype, so they differ by at most a rounding of that dtype.
     fused, python = both_paths(
         monkeypatch,
         lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01, amsgrad=True)),
@@ -185,6 +195,19 @@ def test_other_value_dtypes(monkeypatch, dtype, rtol, backend):
         backend=backend,
     )
     assert_same(fused, python, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_half_tables_train_alike_on_redis_and_in_process(monkeypatch, dtype):
+    """The fused step of a float16 / bfloat16 table is the same rule in the
+    same float32 operations on both backends: Redis stores exactly the rows
+    and slots the cuckoo kernel stores."""
+    calls = Calls(monkeypatch)
+    make = lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01, amsgrad=True))  # noqa: E731
+    on_redis = train(make, value_dtype=dtype, backend="redis")
+    assert calls.count > 0, "the fused step was not taken on Redis"
+    in_process = train(make, value_dtype=dtype, backend="cuckoo")
+    assert_same(on_redis, in_process, rtol=0, atol=0)
 
 
 def test_a_nan_gradient_leaves_its_row_and_slots_as_they_were(monkeypatch, backend):
@@ -212,14 +235,11 @@ def test_eager_steps_take_it_too(monkeypatch, backend):
 
 
 def test_what_the_kernel_does_not_cover_takes_the_python_path(monkeypatch, backend):
-    """Ftrl with another learning_rate_power, clipping, (on Redis) float16
-    tables: the Python path."""
+    """Ftrl with another learning_rate_power, clipping: the Python path."""
     cases = [
         (lambda: K.Ftrl(0.1, learning_rate_power=-0.7), tf.float32),
         (lambda: K.Adam(0.01, clipnorm=1.0), tf.float32),
     ]
-    if backend == "redis":
-        cases.append((lambda: K.Adam(0.01), tf.float16))
     for make, dtype in cases:
         calls = Calls(monkeypatch)
         assert train(lambda: tfde.DynamicEmbeddingOptimizer(make()), value_dtype=dtype, backend=backend)
@@ -368,3 +388,32 @@ def test_the_redis_apply_op_refuses_bad_inputs_and_writes_nothing(change, match)
     again = {**good, "grads": nan, "step": tf.constant(8, tf.int64)}
     assert int(rows._tables[0].apply_step(**again, rule="adam", slot_init=[0.0, 0.0])) == 2
     np.testing.assert_array_equal(rows.lookup(tf.constant([2], tf.int64)).numpy(), before)
+
+
+def test_the_redis_apply_op_refuses_half_gradients_for_a_half_table():
+    """A float16 table's rule runs in float32: gradients and scalars in
+    float16 are refused (the op's Tgrad is float or double), and nothing is
+    written; float32 ones train it."""
+    creator = _creator("redis")
+    rows, m, v = (tfde.Variable(name, dim=4, value_dtype=tf.float16, table_creator=creator) for name in ("r", "m", "v"))
+    args = dict(
+        keys=tf.constant([1, 2, 3], tf.int64),
+        missing=InitSpec("constant", 0.5, 0.0, 0),
+        slots=[m._tables[0], v._tables[0]],
+        step=tf.constant(7, tf.int64),
+        rule="adam",
+        slot_init=[0.0, 0.0],
+    )
+    hyper = [0.1, 0.0, 0.1, 0.1, 0.001, 1e-7]
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="attr 'Tgrad' of half is not in the list of allowed values: float, double"
+    ):
+        rows._tables[0].apply_step(grads=tf.ones([3, 4], tf.float16), hyper=tf.constant(hyper, tf.float16), **args)
+    assert [int(t.size()) for t in (rows, m, v)] == [0, 0, 0]
+    written = rows._tables[0].apply_step(grads=tf.ones([3, 4]), hyper=tf.constant(hyper), **args)
+    assert int(written) == 3
+    # Adam's first step from 0.5 with gradient 1: 0.5 - 0.1 * 0.1 / (sqrt(0.001) + 1e-7), in float16.
+    expected = np.float16(0.5 - 0.1 * 0.1 / (np.sqrt(np.float32(0.001)) + np.float32(1e-7)))
+    np.testing.assert_allclose(
+        rows.lookup(tf.constant([1, 2, 3], tf.int64)).numpy(), np.full((3, 4), expected), rtol=1e-3
+    )

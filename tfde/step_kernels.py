@@ -17,7 +17,7 @@ write (a step run again applies once).  Everything else takes the Python
 path of the optimizer, which stays the reference:
 
 * a Variable qualifies when its tables and its slots' are in-process cuckoo
-  tables, or float32 / float64 Redis tables of one creator, one shard each,
+  tables, or Redis tables of one creator, one shard each,
   with no restrict policy, admission filter or change tracking (`qualifies`);
 * an optimizer step qualifies unless it clips (clipnorm, clipvalue,
   global_clipnorm) or scales the loss (`step_qualifies`).
@@ -72,7 +72,7 @@ class Part:
 def qualifies(var) -> bool:
     """Whether `var`'s training writes can take the fused step: on
     in-process cuckoo tables (TfdeTableApply) or on Redis tables of one
-    creator, float32 or float64 (TfdeRedisApply, RedisTable.apply_step)."""
+    creator (TfdeRedisApply, RedisTable.apply_step)."""
     if not enabled or var.num_shards != 1 or var.restrict_policy is not None:
         return False
     if var.admission_filter is not None or var.changes is not None:
@@ -91,7 +91,7 @@ def takes_buffer_gradients(var) -> bool:
 
 def _on_redis(var) -> bool:
     tables = var._train_tables()
-    if not isinstance(tables[0], RedisTable) or var.value_dtype not in (tf.float32, tf.float64):
+    if not isinstance(tables[0], RedisTable):
         return False
     return all(tables[0]._shares_transactions_with(t) for s in var.slots.values() for t in s._train_tables())
 
@@ -264,7 +264,7 @@ def _apply_redis(opt, rule, part: Part, lr, keys, step) -> tf.Tensor:
     var = part.var
     if part.defaults is not None:
         raise ValueError(f"the fused step on Redis takes summed gradients; {var.name!r} came with step-buffer rows")
-    compute = var.value_dtype  # float32 or float64 (_on_redis)
+    compute = tf.float64 if var.value_dtype == tf.float64 else tf.float32  # the Python path's (optimizer.py)
     slots = rule.slots(opt)
     table = var._train_tables()[0]
     return table.apply_step(

@@ -1300,9 +1300,12 @@ TFDE_REGISTER_REDIS_GROUP(tstring);
 // row table and slot tables are Redis tables of one creator
 // (tfde/step_kernels.py: the fused step on Redis).  Inputs: the distinct
 // keys the step trains, their gradients summed over the step (the compute
-// type: float for float32 tables, double for float64), the rows a missing
-// key starts from (`defaults`, or the init attrs), the step and the rule's
-// scalars (backends/cuckoo/rules.h Hyper).  In one op: keys whose gradient
+// type Tgrad: double for float64 tables, float for the others), the rows a
+// missing key starts from (`defaults`, or the init attrs), the step and the
+// rule's scalars (backends/cuckoo/rules.h Hyper, in the compute type).  The
+// rule runs in the compute type on rows and slots read in the table's dtype
+// and rounded back to it, as the Python path and TfdeTableApply do for
+// float16 and bfloat16 tables.  In one op: keys whose gradient
 // is not finite are dropped; the rows and slots before the step come from
 // the step's kept read where it holds them, the rest from one pipelined
 // read (the grouped insert's first round trip, which reads them anyway to
@@ -1326,9 +1329,12 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
         ctx, this->other_dims_.size() == slots && slot_init_.size() == slots,
         errors::InvalidArgument("rule '", rule, "' keeps ", slots, " slot(s): expected as many slot tables and ",
                                 "slot_init values, got ", this->other_dims_.size(), " and ", slot_init_.size()));
-    OP_REQUIRES(ctx, this->value_dtype_ == ::tensorflow::DT_FLOAT || this->value_dtype_ == ::tensorflow::DT_DOUBLE,
-                errors::InvalidArgument("the fused step on Redis takes float32 or float64 tables, got ",
-                                        DataTypeString(this->value_dtype_)));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("Tgrad", &grad_dtype_));
+    const DataType compute =
+        this->value_dtype_ == ::tensorflow::DT_DOUBLE ? ::tensorflow::DT_DOUBLE : ::tensorflow::DT_FLOAT;
+    OP_REQUIRES(ctx, grad_dtype_ == compute,
+                errors::InvalidArgument("gradients of ", DataTypeString(this->value_dtype_), " tables are computed in ",
+                                        DataTypeString(compute), ", got ", DataTypeString(grad_dtype_)));
     for (size_t s = 0; s < slots; ++s)
       OP_REQUIRES(ctx, this->other_dims_[s] == this->dim_ && this->other_dtypes_[s] == this->value_dtype_,
                   errors::InvalidArgument("slot table '", this->other_names_[s], "' must be ",
@@ -1341,7 +1347,7 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
     const Tensor& grads = ctx->input(1);
     const Tensor& hyper = ctx->input(4);
     const int64_t dim = this->dim_;
-    const DataType compute = this->value_dtype_;  // float32 or float64 tables only (see the constructor)
+    const DataType compute = grad_dtype_;  // double for float64 tables, float for the others (the constructor)
     // Every input is checked before anything is read or sent.
     OP_REQUIRES(ctx, keys.dims() == 1,
                 errors::InvalidArgument("keys must be a vector, got shape ", keys.shape().DebugString()));
@@ -1374,8 +1380,10 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
                                             " repeats an earlier one"));
     }
     auto run = [&](auto v) {
-      using V = decltype(v);  // float or double: the compute type too
-      const V* g = grads.flat<V>().data();
+      // V: the table's dtype; C: the compute type (Tgrad).
+      using V = decltype(v);
+      using C = std::conditional_t<std::is_same_v<V, double>, double, float>;
+      const C* g = grads.flat<C>().data();
       // Keys whose summed gradient is finite; the others keep
       // their rows and slots as they are.
       std::vector<int64_t> kept;
@@ -1393,12 +1401,15 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
       std::vector<std::vector<char>> out(tables, std::vector<char>(kept.size() * row_bytes));
       std::vector<const char*> rows(tables);
       for (size_t t = 0; t < tables; ++t) rows[t] = out[t].data();
-      Hyper<V> hy;
-      const V* h = hyper.flat<V>().data();
+      Hyper<C> hy;
+      const C* h = hyper.flat<C>().data();
       for (int i = 0; i < spec_.NumHyper(); ++i) hy.h[i] = h[i];
-      if (!decay_) hy.h[1] = V(0);
+      if (!decay_) hy.h[1] = C(0);
       auto update = [&](const std::vector<std::vector<std::string>>& old) {
-        std::vector<V*> slot_rows(tables - 1);
+        // Key k's row and slots in the compute type (table t at t * dim).
+        std::vector<C> work(tables * static_cast<size_t>(dim));
+        std::vector<C*> slot_rows(tables - 1);
+        for (size_t t = 1; t < tables; ++t) slot_rows[t - 1] = &work[t * dim];
         for (size_t b = 0; b < nb; ++b) {
           const std::vector<int64_t>& at = keyed.by_bucket[b];
           for (size_t j = 0; j < at.size(); ++j) {
@@ -1419,20 +1430,21 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
               } else {
                 std::memcpy(row, before.data(), row_bytes);
               }
-              if (t > 0) slot_rows[t - 1] = row;
+              C* w = &work[t * dim];
+              for (int64_t c = 0; c < dim; ++c) w[c] = static_cast<C>(row[c]);
             }
-            ApplyRule<V>(spec_, hy, dim, reinterpret_cast<V*>(out[0].data() + k * row_bytes), g + kept[k] * dim,
-                         slot_rows.data());
+            ApplyRule<C>(spec_, hy, dim, work.data(), g + kept[k] * dim, slot_rows.data());
+            for (size_t t = 0; t < tables; ++t) {
+              V* row = reinterpret_cast<V*>(out[t].data() + k * row_bytes);
+              const C* w = &work[t * dim];
+              for (int64_t c = 0; c < dim; ++c) row[c] = static_cast<V>(w[c]);
+            }
           }
         }
       };
       this->WriteGroup(ctx, keyed, rows, std::vector<size_t>(tables, row_bytes), step, update);
     };
-    if (compute == ::tensorflow::DT_DOUBLE) {
-      run(double{});
-    } else {
-      run(float{});
-    }
+    OP_REQUIRES_OK(ctx, WithValueType(this->value_dtype_, run));
   }
 
  private:
@@ -1457,15 +1469,17 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
   RuleSpec spec_;
   std::vector<float> slot_init_;
   bool decay_ = false;
+  DataType grad_dtype_ = ::tensorflow::DT_INVALID;
 };
 
 REGISTER_OP("TfdeRedisApply")
     .Input("keys: Tkey")
-    .Input("grads: Tvalue")
+    .Input("grads: Tgrad")
     .Input("defaults: Tvalue")
     .Input("step: int64")
-    .Input("hyper: Tvalue")
+    .Input("hyper: Tgrad")
     .Output("written: int64")
+    .Attr("Tgrad: {float, double}")
     .TFDE_REDIS_ATTRS.Attr("Tothers: list({float, double, half, bfloat16}) >= 0")
     .Attr("other_dims: list(int)")
     .Attr("other_buckets: list(string)")

@@ -876,8 +876,10 @@ class RedisTable(Table, trackable_base.Trackable):
         (each shares transactions with this one): TfdeRedisApply reads the
         rows and slots of the distinct `keys` ([n]) before the step (the
         step's kept read, the rest in one round trip), applies the rule to
-        their summed gradients `grads` ([n, dim], this table's value dtype)
-        with the step's scalars `hyper`, and writes rows and slots as
+        their summed gradients `grads` ([n, dim], float64 for a float64
+        table, else float32: the rule's compute type, in which rows and slots
+        are updated before they are rounded to the table's dtype) with the
+        step's scalars `hyper` (the same dtype), and writes rows and slots as
         insert_with does, in its transactions; a key whose gradient is not
         finite is left as it is, and a missing key starts from `missing`
         (an InitSpec or rows).  `rule`: the op's rule attrs (rule, momentum,
