@@ -73,4 +73,14 @@ class StoreReader(fmt.ChunkReader):
         else:
             keys = tf.constant(self._get(f"{stream}.keys.{i}"), key_dtype)
         rows = self._get(f"{stream}.rows.{i}")
+        want = np.dtype(value_dtype.as_numpy_dtype)
+        if rows.dtype.kind == "V":
+            # tf-keras's h5 store keeps a bfloat16 array as opaque records
+            # with no dtype: their bytes are the rows, in the meta's dtype.
+            if rows.dtype.itemsize != want.itemsize:
+                raise CheckpointError(
+                    f"{self.where}: chunk {i} of {stream!r} holds {rows.dtype.itemsize}-byte values without a "
+                    f"dtype; the table's {value_dtype.name} needs {want.itemsize} bytes: the file is corrupted"
+                )
+            rows = rows.view(want)
         return keys, tf.constant(rows, value_dtype)
