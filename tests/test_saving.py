@@ -302,3 +302,30 @@ def test_every_value_dtype_round_trips_through_a_keras_file(tmp_path, kind, valu
         tf.bitcast(after, tf.uint16 if value_dtype.size == 2 else tf.uint64).numpy(),
         tf.bitcast(before, tf.uint16 if value_dtype.size == 2 else tf.uint64).numpy(),
     )
+
+
+def test_a_savedmodel_holding_a_training_table_is_refused(tmp_path):
+    """A SavedModel would recreate a training table empty on load, so it
+    would serve initial rows: Keras 3's model.export and tf.saved_model.save
+    of a module that holds a table are refused, pointing to
+    tfde.export_for_serving, and write nothing."""
+    from tfde.flavour import IS_KERAS3
+
+    ids = K.Input(shape=(), dtype="int64")
+    emb = tfde.keras.layers.Embedding(4, initializer="zeros", name="emb")
+    model = K.Model(ids, emb(ids))
+    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(K.optimizers.SGD(1.0)), loss="mse")
+    model.fit(tf.constant([1, 2, 3], tf.int64), np.ones((3, 4), np.float32), batch_size=3, verbose=0)
+    if IS_KERAS3:  # tf-keras's export refuses the untracked table itself
+        with pytest.raises(tfde.ConfigError, match="export_for_serving"):
+            model.export(str(tmp_path / "export"))
+        assert not (tmp_path / "export" / "saved_model.pb").exists()
+
+    module = tf.Module()
+    module.table = emb.params.tables[0]
+    module.serve = tf.function(lambda k: emb.params.lookup(k), input_signature=[tf.TensorSpec([None], tf.int64)])
+    with pytest.raises(tfde.ConfigError, match="would be recreated empty .* tfde.export_for_serving"):
+        tf.saved_model.save(module, str(tmp_path / "module"))
+    assert not (tmp_path / "module" / "saved_model.pb").exists()
+    tfde.export_for_serving(model, str(tmp_path / "served"))  # the way that works
+    assert (tmp_path / "served" / "saved_model.pb").exists()

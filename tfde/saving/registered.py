@@ -52,8 +52,8 @@ def restore_sources(prefix: str, sources: Sequence[Tuple[str, str]]) -> None:
 def _eager_path(tensor, what: str) -> str:
     if not tf.executing_eagerly():
         raise CheckpointError(
-            f"tfde Variables are {what} eagerly (their tables stream to disk chunk by chunk), but this {what} "
-            "runs inside a tf.function or a SavedModel export; save with tf.train.Checkpoint / model.save / "
+            f"tfde Variables are {what} eagerly (their tables stream to disk chunk by chunk), but this was called "
+            "inside a tf.function or a SavedModel export; save with tf.train.Checkpoint / model.save / "
             "save_weights from eager code, and export for serving with tfde.export_for_serving"
         )
     return tensor.numpy().decode() if hasattr(tensor, "numpy") else str(tensor)

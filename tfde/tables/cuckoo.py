@@ -138,6 +138,18 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
     def _make_resource(self):
         _ = self.resource_handle
 
+    def _export_to_saved_model_graph(self, *args, **kwargs):
+        # A SavedModel recreates a resource from its creator function, empty:
+        # a training table in one would serve initial rows, silently.  Keras 3's
+        # model.export and tf.saved_model.save reach it here; the serving
+        # export holds SavedByValueCuckooTables or store views instead.
+        raise ConfigError(
+            f"cuckoo table {self.name!r} cannot be saved in a SavedModel: it would be recreated empty on load "
+            "and serve initial rows, not the trained ones. Export a model for serving with "
+            "tfde.export_for_serving(model, path) (docs/saving.md), and save training state with "
+            "tf.train.Checkpoint, model.save or tfde.CheckpointManager"
+        )
+
     def _create_resource(self):
         return self._ops.tfde_cuckoo_table(
             key_dtype=self.key_dtype,
@@ -211,6 +223,9 @@ class SavedByValueCuckooTable(CuckooTable):
     save/restore functions: a serving process loads it without tfde's
     Python (tfde.export_for_serving(rows="embedded")).  Training tables are
     saved by their Variables instead (tfde/saving/)."""
+
+    def _export_to_saved_model_graph(self, *args, **kwargs):
+        return trackable_resource.TrackableResource._export_to_saved_model_graph(self, *args, **kwargs)
 
     def _serialize_to_tensors(self):
         keys, values, _ = self._ops.tfde_table_export(
