@@ -7,6 +7,7 @@ runs under both).  Training after a restore continues exactly as without the
 save/restore.  Bad files give a CheckpointError naming the file."""
 
 import glob
+import json
 import os
 
 import numpy as np
@@ -329,3 +330,28 @@ def test_a_savedmodel_holding_a_training_table_is_refused(tmp_path):
     assert not (tmp_path / "module" / "saved_model.pb").exists()
     tfde.export_for_serving(model, str(tmp_path / "served"))  # the way that works
     assert (tmp_path / "served" / "saved_model.pb").exists()
+
+
+@pytest.mark.parametrize(
+    "variable,value",
+    [
+        ("TF_CONFIG", {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 1}}),
+        ("HOROVOD_SIZE", "2"),
+    ],
+    ids=["tf_config", "horovod"],
+)
+def test_a_manager_that_cannot_see_its_job_refuses_to_save(tmp_path, monkeypatch, variable, value):
+    """A CheckpointManager made outside strategy.scope() in a job of two
+    workers used to have both write 'worker-00000-of-00001' into the same
+    directory (and crash). Now it refuses before writing anything; alone,
+    or as one worker of a job of one, it saves."""
+    model = build("cuckoo", None)
+    train(model, 0)
+    monkeypatch.setenv(variable, json.dumps(value) if isinstance(value, dict) else value)
+    manager = tfde.saving.CheckpointManager(str(tmp_path / "ck"), model=model, optimizer=model.optimizer)
+    with pytest.raises(tfde.ConfigError, match=rf"one of 2 workers \({variable}\).* strategy\.scope\(\)"):
+        manager.save()
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+    monkeypatch.delenv(variable)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker"}}))
+    assert os.path.isdir(manager.save())

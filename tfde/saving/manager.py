@@ -116,6 +116,33 @@ def _step_of(name: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def _refuse_a_job_it_cannot_see() -> None:
+    """Raises ConfigError when the launcher's environment says this process
+    is one of several workers (TF_CONFIG's chief and workers; Horovod's
+    HOROVOD_SIZE or OMPI_COMM_WORLD_SIZE) while the manager sees no strategy
+    or exchange: every worker would then write its part as worker 0 of 1,
+    into the same files."""
+    size, source = 1, ""
+    try:
+        config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    except ValueError:
+        config = {}
+    cluster, task = config.get("cluster") or {}, config.get("task") or {}
+    if isinstance(cluster, dict) and "ps" not in cluster and task.get("type") in ("chief", "worker"):
+        size, source = sum(len(cluster.get(k) or []) for k in ("chief", "worker")), "TF_CONFIG"
+    for variable in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        value = os.environ.get(variable, "")
+        if size <= 1 and value.isdigit() and int(value) > 1:
+            size, source = int(value), variable
+    if size > 1:
+        raise ConfigError(
+            f"this process is one of {size} workers ({source}), but this CheckpointManager sees no "
+            "tf.distribute strategy and no tfde exchange, so every worker would write its part as the only "
+            "worker, into the same files. Create the manager inside strategy.scope() or pass strategy=; "
+            "under Horovod, install tfde's Horovod exchange first (docs/saving.md, docs/distributed.md)"
+        )
+
+
 def _worker_prefix(path: str, rank: int, size: int) -> str:
     return os.path.join(path, f"worker-{rank:05d}-of-{size:05d}")
 
@@ -214,6 +241,8 @@ class CheckpointManager:
         worker's updates (tfde/semi_sync.py)."""
         semi_sync.sync_now()
         host = exchange.host_collectives(self._strategy)
+        if host is None:
+            _refuse_a_job_it_cannot_see()
         rank, size = (0, 1) if host is None else (host.rank, host.size)
         own_directory = self._own_directories(host)
         manages = rank == 0 or own_directory  # the worker that manages this directory's files
