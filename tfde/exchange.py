@@ -31,7 +31,7 @@ This module uses only TensorFlow and imports nothing from tfde.distributed.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -271,6 +271,12 @@ class Engine:
         """Workers of the job `strategy` (or the strategy in scope) runs."""
         return 1
 
+    def launched_workers(self) -> Optional[Tuple[int, str]]:
+        """(workers, where it is said) of a job that this engine's launcher
+        says, in this process's environment, this process is one of; None
+        when the environment says nothing of a job of several workers."""
+        return None
+
     def check_optimizer(self, optimizer) -> None:
         """Raises when `optimizer` cannot become a tfde optimizer as it is
         (wrapped by the engine in the wrong order)."""
@@ -381,6 +387,17 @@ def workers(strategy=None) -> int:
     if _installed is not None:
         return _installed.size
     return max([1] + [engine.workers(strategy) for engine in _engines])
+
+
+def launched_job() -> Optional[Tuple[int, str]]:
+    """(workers, where it is said) of the job that a launcher's environment
+    says this process is one of (Engine.launched_workers), whether or not
+    the program has set the job up; None when none says so."""
+    for engine in _engines:
+        said = engine.launched_workers()
+        if said is not None and said[0] > 1:
+            return said
+    return None
 
 
 def check_optimizer(optimizer) -> None:

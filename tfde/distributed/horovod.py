@@ -26,6 +26,7 @@ calls super(self.__class__, ...) and cannot be subclassed again).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import tensorflow as tf
@@ -195,6 +196,14 @@ class HorovodGuard(exchange.Engine):
                 "would train each worker's keys apart; call tfde.distributed.horovod.init() (it calls hvd.init()) "
                 "before building the model"
             )
+        return None
+
+    def launched_workers(self):
+        # horovodrun (Gloo) sets HOROVOD_SIZE; mpirun (Open MPI) OMPI_COMM_WORLD_SIZE.
+        for variable in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE"):
+            value = os.environ.get(variable, "")
+            if value.isdigit() and int(value) > 1:
+                return int(value), variable
         return None
 
     def check_optimizer(self, optimizer):

@@ -23,6 +23,7 @@ strategy.run (`host_collectives`).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import tensorflow as tf
@@ -359,6 +360,20 @@ class TfDistributeEngine(exchange.Engine):
 
     def local_fit_logs(self, model, strategy):
         return FitLogs.install(model, strategy)
+
+    def launched_workers(self):
+        # TF_CONFIG's chief and workers (MultiWorkerMirroredStrategy's job; a
+        # parameter-server cluster's chief saves alone, so it is left out).
+        try:
+            config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+        except ValueError:
+            return None
+        cluster, task = config.get("cluster"), config.get("task")
+        if not isinstance(cluster, dict) or not isinstance(task, dict) or "ps" in cluster:
+            return None
+        if task.get("type") not in ("chief", "worker"):
+            return None
+        return sum(len(cluster.get(k) or []) for k in ("chief", "worker")), "TF_CONFIG"
 
     def host_collectives(self, strategy):
         if tf.distribute.has_strategy():

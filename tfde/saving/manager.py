@@ -117,29 +117,18 @@ def _step_of(name: str) -> Optional[int]:
 
 
 def _refuse_a_job_it_cannot_see() -> None:
-    """Raises ConfigError when the launcher's environment says this process
-    is one of several workers (TF_CONFIG's chief and workers; Horovod's
-    HOROVOD_SIZE or OMPI_COMM_WORLD_SIZE) while the manager sees no strategy
-    or exchange: every worker would then write its part as worker 0 of 1,
-    into the same files."""
-    size, source = 1, ""
-    try:
-        config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    except ValueError:
-        config = {}
-    cluster, task = config.get("cluster") or {}, config.get("task") or {}
-    if isinstance(cluster, dict) and "ps" not in cluster and task.get("type") in ("chief", "worker"):
-        size, source = sum(len(cluster.get(k) or []) for k in ("chief", "worker")), "TF_CONFIG"
-    for variable in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        value = os.environ.get(variable, "")
-        if size <= 1 and value.isdigit() and int(value) > 1:
-            size, source = int(value), variable
-    if size > 1:
+    """Raises ConfigError when a launcher's environment says this process is
+    one of several workers (exchange.launched_job) while the manager sees no
+    strategy or exchange: every worker would then write its part as worker
+    0 of 1, into the same files."""
+    said = exchange.launched_job()
+    if said is not None:
+        size, source = said
         raise ConfigError(
             f"this process is one of {size} workers ({source}), but this CheckpointManager sees no "
             "tf.distribute strategy and no tfde exchange, so every worker would write its part as the only "
             "worker, into the same files. Create the manager inside strategy.scope() or pass strategy=; "
-            "under Horovod, install tfde's Horovod exchange first (docs/saving.md, docs/distributed.md)"
+            "with another engine, install its tfde exchange first (docs/saving.md, docs/distributed.md)"
         )
 
 
