@@ -38,7 +38,7 @@ from tfde import semi_sync as _semi_sync
 from tfde import step_kernels
 from tfde.errors import ConfigError, UnsupportedOptimizerError
 from tfde.flavour import flavour_fix, keras_flavour_name
-from tfde.optimizer_rules import RULES, hp
+from tfde.optimizer_rules import RULES, compute_dtype, hp
 from tfde.optimizer_rules import rule_for as _rule_for
 from tfde.saving import registered as _registered
 from tfde.variable import exclusively, is_step_buffer, next_training_step, training_step
@@ -225,7 +225,7 @@ class DynamicEmbeddingMixin:
     def _tfde_direct_part(self, grad, var):
         """The fused step's Part of a Variable trained alone: its step
         buffer's keys and rows, and the buffer's gradient as it is."""
-        compute = tf.float64 if var.value_dtype == tf.float64 else tf.float32
+        compute = compute_dtype(var.value_dtype)
         if isinstance(grad, tf.IndexedSlices):
             indices, values = grad.indices, grad.values
         else:
@@ -291,7 +291,7 @@ class DynamicEmbeddingMixin:
             else:
                 values = tf.convert_to_tensor(grad)
                 indices = tf.range(tf.shape(values)[0])
-            compute = tf.float32 if var.value_dtype in (tf.float16, tf.bfloat16) else var.value_dtype
+            compute = compute_dtype(var.value_dtype)
             values = tf.ensure_shape(tf.cast(values, compute), [None, var.dim])
             taken.append(var)
             parts.append(_exchange.Gradient(var._keys_buffer.read_value(), indices, values, var.placement))

@@ -20,6 +20,13 @@ import tensorflow as tf
 from tfde.errors import UnsupportedOptimizerError
 
 
+def compute_dtype(value_dtype: tf.DType) -> tf.DType:
+    """The dtype a table's optimizer step computes in: float64 for float64
+    tables, float32 for the others (float16 and bfloat16 rows and slots are
+    read, updated in float32 and rounded back), on every path."""
+    return tf.float64 if value_dtype == tf.float64 else tf.float32
+
+
 def hp(opt, name: str, default=None):
     """A hyperparameter of `opt` as a Python value or tensor (callables are called)."""
     value = getattr(opt, name, default)

@@ -222,7 +222,7 @@ def apply(opt, rule, parts: List[Part], lr, keys: Optional[list] = None, step=No
         keys = keys if keys is not None else [p.keys for p in parts]
         return [_apply_redis(opt, rule, p, lr, k, step) for p, k in zip(parts, keys)]
     var0 = parts[0].var
-    compute = tf.float64 if var0.value_dtype == tf.float64 else tf.float32
+    compute = optimizer_rules.compute_dtype(var0.value_dtype)
     slots = rule.slots(opt)
     kinds, p0, p1, seeds, defaults = [], [], [], [], []
     for p in parts:
@@ -264,7 +264,7 @@ def _apply_redis(opt, rule, part: Part, lr, keys, step) -> tf.Tensor:
     var = part.var
     if part.defaults is not None:
         raise ValueError(f"the fused step on Redis takes summed gradients; {var.name!r} came with step-buffer rows")
-    compute = tf.float64 if var.value_dtype == tf.float64 else tf.float32  # the Python path's (optimizer.py)
+    compute = optimizer_rules.compute_dtype(var.value_dtype)
     slots = rule.slots(opt)
     table = var._train_tables()[0]
     return table.apply_step(

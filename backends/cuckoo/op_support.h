@@ -76,6 +76,16 @@ inline ::absl::Status ReadInitSpec(OpKernelConstruction* ctx, InitSpec* spec) {
   return ::absl::OkStatus();
 }
 
+// A fused apply's gradients and scalars (its Tgrad) are in the dtype the
+// table's rule computes in: double for float64 tables, float for the others
+// (tfde/optimizer_rules.py compute_dtype).
+inline ::absl::Status CheckGradDtype(DataType value, DataType grad) {
+  const DataType compute = value == ::tensorflow::DT_DOUBLE ? ::tensorflow::DT_DOUBLE : ::tensorflow::DT_FLOAT;
+  if (grad == compute) return ::absl::OkStatus();
+  return errors::InvalidArgument("gradients of ", DataTypeString(value), " tables are computed in ",
+                                 DataTypeString(compute), ", got ", DataTypeString(grad));
+}
+
 // Reads the rule attrs shared by the fused step's apply ops (TfdeTableApply,
 // TfdeRedisApply): `rule` and its options into `spec`, and the slots'
 // initial values.

@@ -168,10 +168,7 @@ class TableApplyOp : public OpKernel {
                                         " slot tables for ", n_, " part(s), got ", m_));
     OP_REQUIRES(ctx, static_cast<int>(slot_init_.size()) == slots,
                 errors::InvalidArgument("slot_init needs one value per slot (", slots, "), got ", slot_init_.size()));
-    const DataType compute = value_dtype_ == ::tensorflow::DT_DOUBLE ? ::tensorflow::DT_DOUBLE : ::tensorflow::DT_FLOAT;
-    OP_REQUIRES(ctx, grad_dtype_ == compute,
-                errors::InvalidArgument("gradients of ", DataTypeString(value_dtype_), " tables are computed in ",
-                                        DataTypeString(compute), ", got ", DataTypeString(grad_dtype_)));
+    OP_REQUIRES_OK(ctx, CheckGradDtype(value_dtype_, grad_dtype_));
     inits_.resize(n);
     for (size_t i = 0; i < n; ++i) {
       try {

@@ -1330,11 +1330,7 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
         errors::InvalidArgument("rule '", rule, "' keeps ", slots, " slot(s): expected as many slot tables and ",
                                 "slot_init values, got ", this->other_dims_.size(), " and ", slot_init_.size()));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tgrad", &grad_dtype_));
-    const DataType compute =
-        this->value_dtype_ == ::tensorflow::DT_DOUBLE ? ::tensorflow::DT_DOUBLE : ::tensorflow::DT_FLOAT;
-    OP_REQUIRES(ctx, grad_dtype_ == compute,
-                errors::InvalidArgument("gradients of ", DataTypeString(this->value_dtype_), " tables are computed in ",
-                                        DataTypeString(compute), ", got ", DataTypeString(grad_dtype_)));
+    OP_REQUIRES_OK(ctx, CheckGradDtype(this->value_dtype_, grad_dtype_));
     for (size_t s = 0; s < slots; ++s)
       OP_REQUIRES(ctx, this->other_dims_[s] == this->dim_ && this->other_dtypes_[s] == this->value_dtype_,
                   errors::InvalidArgument("slot table '", this->other_names_[s], "' must be ",
