@@ -25,7 +25,8 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          OUT-planI-*),
          "sync_every": k (semi-synchronous training, tfde.keras.callbacks.PeriodicSync or, in the custom loop,
          tfde.semi_sync.PeriodicSync; each worker writes what it pushed at each sync to OUT-pushed-wW.npz and
-         worker 0 the initial rows of every key to OUT-init.npz), ...}
+         worker 0 the initial rows of every key to OUT-init.npz),
+         "value_dtype": "float16" (the two Embedding layers' rows and slots), ...}
 
 The data are fixed: T global batches of G examples (string user id, int64
 item id, label), the same for every run; the custom loop adds a short last
@@ -156,6 +157,8 @@ def make_layers(model):
         emb["restrict_policy"] = tfde.FrequencyRestrictPolicy
     if cfg.get("track_changes"):
         emb["track_changes"] = True
+    if cfg.get("value_dtype"):  # the tables' rows and slots, e.g. "float16"
+        emb["value_dtype"] = cfg["value_dtype"]
     policies = {"frequency": tfde.FrequencyRestrictPolicy, "timestamp": tfde.TimestampRestrictPolicy}
     policy = {name: policies[kind] for name, kind in cfg.get("policies", {}).items()}
     filters = {

@@ -279,6 +279,9 @@ def destroy(handle):
 
 OTHER_KEY = {tf.int64: tf.int32, tf.int32: tf.int64, tf.string: tf.int64}
 OTHER_VALUE = {tf.float32: tf.float64, tf.float64: tf.float32, tf.float16: tf.bfloat16, tf.bfloat16: tf.float16}
+# Deltas an accum op must refuse: a dtype neither the table's nor float32 or
+# float64 (which it adds in the wider type).
+BAD_DELTAS = {tf.float32: tf.float16, tf.float64: tf.bfloat16, tf.float16: tf.bfloat16, tf.bfloat16: tf.float16}
 
 
 def keys_arg(keys, key_dtype, bad):
@@ -309,6 +312,8 @@ def rows_arg(values, value_dtype, bad):
         return tf.zeros([n, dim, 1], value_dtype)
     if bad == "rows_dtype":
         return tf.zeros([n, dim], OTHER_VALUE[value_dtype])
+    if bad == "deltas_dtype":
+        return tf.zeros([n, dim], BAD_DELTAS[value_dtype])
     return tensor(values, value_dtype)
 
 
@@ -355,6 +360,7 @@ CORRUPTIONS = {
         "rows_dim",
         "rows_rank1",
         "rows_dtype",
+        "deltas_dtype",
         "defaults_count",
         "defaults_dim",
         "destroyed",
@@ -984,6 +990,7 @@ BAD_REDIS = (
     "rows_rank1",
     "defaults_count",
     "defaults_dim",
+    "deltas_dtype",  # accum's; the other ops take it as rows_count
     "dim_attr",
     "chunk_attr",
     "no_buckets",
@@ -1030,6 +1037,8 @@ def test_redis_ops_answer_like_the_reference_or_refuse(
                 "mode_attr": {"mode": 7},
             }.get(bad, {})
             attrs = redis_attrs(prefix, dim, over)
+            if bad == "deltas_dtype" and op != "accum":
+                bad = "rows_count"
             if op == "insert":
                 if bad in ("defaults_count", "defaults_dim"):
                     bad = "rows_count"

@@ -334,6 +334,59 @@ if LEGACY:  # tfrs needs tf-keras: defined in the tf-keras run of scripts/test.s
         assert len(tables["item_emb"]) > 0
 
 
+# float16 tables: (workers, layout, replicate).  Two workers: the owners add
+# the summed deltas in place (sharded cuckoo), merge them into copies, or
+# merge them on the shared store (Redis); one process alone accumulates them
+# into its store (cuckoo) or on the server (Redis's accum script).
+HALF_RUNS = [(2, "cuckoo", False), (2, "cuckoo", True), (2, "redis", False), (1, "cuckoo", False), (1, "redis", False)]
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize("workers,layout,replicate", HALF_RUNS)
+def test_a_float16_table_s_syncs_round_each_sum_once(tmp_path, tag, workers, layout, replicate):
+    """A sync of a float16 table stores, bit for bit, the stored row plus the
+    workers' summed float32 deltas (Adam's slots: their mean, or alone the
+    local value) rounded to float16 once, in every layout: the rows do not
+    depend on the layout.  The owner's in-place accumulation and a process
+    alone used to round the summed delta to float16 before adding it (rows
+    up to 0.09 apart between layouts with Adam)."""
+    cfg = {"sync_every": 4, "steps": 10, "value_dtype": "float16", "replicate": replicate}
+    tables, _ = run_job(tmp_path, workers, "loop", "adam", layout, tag, cfg)
+    prefix = str(tmp_path / f"out{workers}")
+    init = dict(np.load(prefix + "-init.npz"))
+    pushed = _pushed(prefix)
+    assert len(pushed) == workers
+    both = 0
+    for name in sorted(tables):
+        layer, _, slot = name.partition("/")
+        assert MERGES[slot] in ("sum", "mean"), name
+        by_sync = {}  # (sync, key) -> [(float32 delta, float16 local value) of each worker that pushed it]
+        for p in pushed:
+            keys, deltas, values, syncs = p[name]
+            assert deltas.dtype == np.float32 and values.dtype == np.float16, (deltas.dtype, values.dtype)
+            for k, d, v, n in zip(keys.tolist(), deltas, values, syncs.tolist()):
+                by_sync.setdefault((n, _key(k)), []).append((d, v))
+        start = {_key(k): r for k, r in zip(init[f"{layer}/keys"], init[f"{layer}/rows"])} if not slot else {}
+        expected = {}
+        for (_, k), pushes in sorted(by_sync.items(), key=lambda item: item[0][0]):
+            both += len(pushes) == 2
+            if slot and workers == 1:  # alone: optimizer slots are written as they are
+                expected[k] = pushes[-1][1]
+                continue
+            summed = pushes[0][0] if len(pushes) == 1 else pushes[0][0] + pushes[1][0]  # float32, as the exchange
+            if MERGES[slot] == "mean":
+                summed = summed / np.float32(len(pushes))
+            before = expected.get(k, start.get(k, np.zeros(summed.shape, np.float16)))
+            assert before.dtype == np.float16
+            expected[k] = (before.astype(np.float32) + summed).astype(np.float16)
+        stored = {_key(k): v for k, v in tables[name].items()}
+        assert set(stored) == set(expected), name
+        for k, row in stored.items():
+            assert row.dtype == np.float16, (name, row.dtype)
+            np.testing.assert_array_equal(row, expected[k], err_msg=f"{name}[{k!r}] ({workers} workers, {layout})")
+    assert workers == 1 or both > 0, "no key was pushed by both workers"
+
+
 def _same_stores(one, two):
     assert set(one) == set(two)
     for name in one:

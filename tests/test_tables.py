@@ -129,6 +129,64 @@ def test_duplicates_in_one_batch(backend):
     assert t.find(tf.constant([3], tf.int64), INIT)[0].numpy().tolist() == [[6.0]]  # all add
 
 
+# (value dtype, delta dtype, half an ulp of the value dtype at 1.0, a part of
+# the delta that rounding it to the value dtype first would drop; 1 + both is
+# exact in the delta dtype)
+ONCE_CASES = [
+    (tf.float16, tf.float32, 2.0**-11, 2.0**-22),
+    (tf.bfloat16, tf.float32, 2.0**-8, 2.0**-20),
+    (tf.float32, tf.float64, 2.0**-24, 2.0**-40),
+]
+
+
+@pytest.mark.parametrize("value_dtype,delta_dtype,half_ulp,tail", ONCE_CASES, ids=lambda c: getattr(c, "name", None))
+def test_accum_of_wider_deltas_rounds_each_sum_once(backend, value_dtype, delta_dtype, half_ulp, tail):
+    """Deltas wider than the rows (float32 for a float16 or bfloat16 table,
+    float64 for a float32 one) are added in the wider type and the sum is
+    rounded once (semi-synchronous training's syncs push float32 deltas):
+    1 + (half an ulp + a little) rounds up; rounding the delta to the
+    table's dtype first made it a tie, which rounds to 1 (even)."""
+    t = backend.create("once", tf.int64, value_dtype, 2)
+    keys = tf.constant([1, 2, 3], tf.int64)
+    t.insert(keys, tf.ones([3, 2], value_dtype))
+    # Key 3: the sum is formed in the delta dtype (float32 for float16 rows,
+    # as the native ops and the Python path do), where 1 + half an ulp + half
+    # the delta dtype's ulp at 1 is a tie that rounds to 1 + half an ulp, and
+    # that again to 1.  Rounding the exact sum at once would round it up.
+    finest = 2.0**-24 if delta_dtype == tf.float32 else 2.0**-53
+    delta = tf.constant([[half_ulp + tail, -(half_ulp + tail)], [half_ulp, 0.0], [half_ulp + finest, 0.0]], delta_dtype)
+    t.accum(keys, delta, INIT)
+    rows = t.find(keys, INIT)[0]
+    assert rows.dtype == value_dtype
+    up, down = 1.0 + 2 * half_ulp, 1.0 - half_ulp  # the neighbours of 1.0 (the ulp below 1 is half the one above)
+    assert rows.numpy().astype(np.float64).tolist() == [[up, down], [1.0, 1.0], [1.0, 1.0]]  # [1, 0]: a tie, to even
+
+
+@pytest.mark.parametrize("value_dtype", [tf.float16, tf.bfloat16, tf.float32], ids=lambda d: d.name)
+@pytest.mark.parametrize("delta_dtype", [tf.float32, tf.float64], ids=lambda d: d.name)
+def test_accum_of_wider_deltas_matches_the_reference_bit_for_bit(backend, rng, value_dtype, delta_dtype):
+    """Random rows and deltas of every scale, some keys missing (their
+    initial row), a key given twice: every backend stores what the
+    reference's numpy sums store, bit for bit (Redis's accum script forms
+    the sums in Lua and must round as the native ops do)."""
+    dim = 6
+    t = backend.create("wide", tf.int64, value_dtype, dim)
+    ref = ReferenceTableCreator().create("wide", tf.int64, value_dtype, dim)
+    stored = tf.constant(np.arange(0, 40), tf.int64)
+    rows = tf.cast(tf.constant(rng.standard_normal((40, dim)) * 10.0 ** rng.integers(-3, 3, (40, 1))), value_dtype)
+    for table in (t, ref):
+        table.insert(stored, rows)
+    for _ in range(3):
+        keys = np.concatenate([rng.integers(0, 60, 30), [7, 7]])
+        scale = 10.0 ** rng.integers(-8, 1, (32, 1))
+        deltas = tf.constant(rng.standard_normal((32, dim)) * scale, delta_dtype)
+        for table in (t, ref):
+            table.accum(tf.constant(keys, tf.int64), deltas, INIT)
+    got, want = exported(t), exported(ref)
+    assert got[0] == want[0]
+    np.testing.assert_array_equal(got[1].astype(np.float64), want[1].astype(np.float64))
+
+
 def test_export_in_bounded_chunks(backend):
     t = backend.create("chunks", tf.int64, tf.float32, 2)
     t.insert(tf.range(1000, dtype=tf.int64), tf.zeros([1000, 2]))

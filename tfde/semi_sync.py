@@ -291,7 +291,9 @@ class _Entry:
 
         for v, merge, delta, value in zip(self.variables, self.merges, deltas, values):
             if merge == _SUM:
-                ops.append(v.accum(rows_of, tf.cast(of_held(delta), v.value_dtype)))
+                # The delta in the compute dtype: the store rounds each sum
+                # once, as a merge does (a float16 delta would round twice).
+                ops.append(v.accum(rows_of, of_held(delta)))
                 continue
             value = tf.cast(of_held(value), v.value_dtype)
             if merge == _MAX:
@@ -328,7 +330,7 @@ class _Entry:
             if merge == _MEAN:
                 part = tf.math.divide_no_nan(part, count)
             if in_place:
-                ops.append(v.accum(keys, tf.cast(part, v.value_dtype)))
+                ops.append(v.accum(keys, part))  # rounded once, as below (Table.accum)
                 continue
             part = part if held is None else tf.boolean_mask(part, held)
             stored = tf.cast(v._find(rows_of, in_step=True, initial=True)[0], part.dtype)

@@ -353,9 +353,12 @@ class Variable(tf.Module):
         values.set_shape([None, self.dim])
         return values, exists
 
-    def _rows_arg(self, values, what="values"):
+    def _rows_arg(self, values, what="values", wider_ok=False):
+        """`values` as [n, dim] rows of the value dtype; with wider_ok,
+        float32 and float64 values stay as they are (accum's deltas:
+        Table.accum rounds each sum to the value dtype once)."""
         values = tf.convert_to_tensor(values, dtype_hint=self.value_dtype)
-        if values.dtype != self.value_dtype:
+        if values.dtype != self.value_dtype and not (wider_ok and values.dtype in (tf.float32, tf.float64)):
             if not (values.dtype.is_floating or values.dtype.is_integer):
                 raise ShapeError(f"{what} for {self.name!r} are {values.dtype.name}, expected {self.value_dtype.name}")
             values = tf.cast(values, self.value_dtype)
@@ -442,9 +445,11 @@ class Variable(tf.Module):
 
     def accum(self, keys: KeysLike, deltas: RowsLike) -> Optional[tf.Operation]:
         """Adds `deltas` to the rows of `keys`; a key not stored yet starts from
-        its initial row.  Duplicated keys add up."""
+        its initial row.  Duplicated keys add up.  float32 or float64 deltas
+        for a float16 or bfloat16 Variable are added in float32 (float64)
+        and each sum is rounded to the value dtype once."""
         flat = self._flat_keys(keys)
-        rows = self._counted(flat, self._rows_arg(deltas, "deltas"))
+        rows = self._counted(flat, self._rows_arg(deltas, "deltas", wider_ok=True))
 
         def one(table, k, d):
             # The initial row, also where an admission filter makes lookups

@@ -86,6 +86,16 @@ inline ::absl::Status CheckGradDtype(DataType value, DataType grad) {
                                  DataTypeString(compute), ", got ", DataTypeString(grad));
 }
 
+// The dtypes an accum op (TfdeTableAccum, TfdeRedisAccum) takes deltas in
+// for a table of `value`: the table's own, float32 or float64.  A half or
+// bfloat16 table given float32 deltas adds them in float32 and rounds the
+// sum once (docs/tables.md, "accum").
+inline ::absl::Status CheckDeltaDtype(DataType value, DataType delta) {
+  if (delta == value || delta == ::tensorflow::DT_FLOAT || delta == ::tensorflow::DT_DOUBLE) return ::absl::OkStatus();
+  return errors::InvalidArgument("deltas for a ", DataTypeString(value), " table must be ", DataTypeString(value),
+                                 ", float or double, got ", DataTypeString(delta));
+}
+
 // Reads the rule attrs shared by the fused step's apply ops (TfdeTableApply,
 // TfdeRedisApply): `rule` and its options into `spec`, and the slots'
 // initial values.

@@ -280,28 +280,36 @@ class AccumOp : public TableOpBase<TK> {
     if (!this->CheckKeys(ctx, keys)) return;
     const int64_t n = keys.dim_size(0);
     if (!this->CheckRows(ctx, "deltas", deltas, n, *table)) return;
+    OP_REQUIRES_OK(ctx, CheckDeltaDtype(table->value_dtype(), deltas.dtype()));
     MissingRows missing = missing_;
     OP_REQUIRES_OK(ctx, missing.Prepare(ctx->input(3), n, table->dim(), table->Describe()));
     if (n == 0) return;
     const int64_t dim = table->dim();
     KeyViews<TK> views(keys);
-    OP_REQUIRES_OK(ctx, WithValueType(table->value_dtype(), [&](auto v) {
-                     using V = decltype(v);
-                     // half and bfloat16 add in float; float and double in their own type.
-                     using Acc = std::conditional_t<std::is_same_v<V, double>, double, float>;
-                     const V* delta = reinterpret_cast<const V*>(deltas.tensor_data().data());
-                     try {
-                       table->core.Upsert(views.data, n, PoolOf(ctx),
-                                          [&](int64_t i, char* row, bool created, uint64_t hash) {
-                                            if (created) missing.template Fill<V>(i, hash, dim, row);
-                                            V* r = reinterpret_cast<V*>(row);
-                                            const V* d = delta + i * dim;
-                                            for (int64_t j = 0; j < dim; ++j)
-                                              r[j] = static_cast<V>(static_cast<Acc>(r[j]) + static_cast<Acc>(d[j]));
-                                          });
-                     }
-                     TFDE_CATCH(ctx, "accum")
-                   }));
+    // The sum is taken in the wider of the row's and the delta's compute
+    // type (half and bfloat16 compute in float) and rounded to the row's
+    // type once.
+    OP_REQUIRES_OK(
+        ctx, WithValueType(table->value_dtype(), [&](auto v) {
+          using V = decltype(v);
+          OP_REQUIRES_OK(
+              ctx, WithValueType(deltas.dtype(), [&](auto dv) {
+                using D = decltype(dv);
+                using Acc = std::conditional_t<std::is_same_v<V, double> || std::is_same_v<D, double>, double, float>;
+                const D* delta = reinterpret_cast<const D*>(deltas.tensor_data().data());
+                try {
+                  table->core.Upsert(views.data, n, PoolOf(ctx),
+                                     [&](int64_t i, char* row, bool created, uint64_t hash) {
+                                       if (created) missing.template Fill<V>(i, hash, dim, row);
+                                       V* r = reinterpret_cast<V*>(row);
+                                       const D* d = delta + i * dim;
+                                       for (int64_t j = 0; j < dim; ++j)
+                                         r[j] = static_cast<V>(static_cast<Acc>(r[j]) + static_cast<Acc>(d[j]));
+                                     });
+                }
+                TFDE_CATCH(ctx, "accum")
+              }));
+        }));
   }
 
  private:
@@ -580,10 +588,11 @@ REGISTER_OP("TfdeTableInsert")
 REGISTER_OP("TfdeTableAccum")
     .Input("handle: resource")
     .Input("keys: Tkey")
-    .Input("deltas: Tvalue")
+    .Input("deltas: Tdelta")
     .Input("defaults: Tvalue")
     .Attr("Tkey: {int32, int64, string}")
     .Attr("Tvalue: {float, double, half, bfloat16}")
+    .Attr("Tdelta: {float, double, half, bfloat16}")
     .TFDE_INIT_ATTRS.SetShapeFn(::tensorflow::shape_inference::NoOutputs);
 
 REGISTER_OP("TfdeTableRemove")

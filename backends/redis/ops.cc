@@ -1517,7 +1517,7 @@ TFDE_REGISTER_REDIS_APPLY(tstring);
 //   TfdeRedisSize:   HLEN of every bucket, summed.
 //   TfdeRedisClear:  DEL of every bucket.
 
-// "f", "d", "h" or "b": how the accum script reads and writes a row's values.
+// "f", "d", "h" or "b": how the accum script reads and writes values of `dtype`.
 const char* ValueKind(DataType dtype) {
   switch (dtype) {
     case ::tensorflow::DT_FLOAT:
@@ -1628,22 +1628,29 @@ class RedisAccumOp : public RedisScriptOp {
           errors::InvalidArgument(input == 1 ? "deltas" : "initial rows", " must have shape [", n, ", ", dim_, "] for ",
                                   n, " keys and a ", Describe(), ", got ", rows.shape().DebugString()));
     }
+    const DataType delta_dtype = ctx->input(1).dtype();
+    OP_REQUIRES_OK(ctx, CheckDeltaDtype(value_dtype_, delta_dtype));
     Tensor* applied = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &applied));
     applied->scalar<int64_t>()() = n;
     if (n == 0) return;
     const Routed keyed = Route<TK>(keys);
     const size_t row_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(value_dtype_);
+    const size_t delta_bytes = static_cast<size_t>(dim_) * ::tensorflow::DataTypeSize(delta_dtype);
+    // The rows' kind, then the deltas' where they differ (the script adds in
+    // Lua's doubles and rounds to the row's type once).
+    std::string kinds = ValueKind(value_dtype_);
+    if (delta_dtype != value_dtype_) kinds += ValueKind(delta_dtype);
     const Forgetting forgetting({TableAt(buckets_[0])});
     const char* deltas = ctx->input(1).tensor_data().data();
     const char* init = ctx->input(2).tensor_data().data();
     std::deque<std::string> markers;
-    // ARGV: value kind, dim, marker TTL, then (field, delta, initial row) per key.
+    // ARGV: value kinds, dim, marker TTL, then (field, delta, initial row) per key.
     const std::vector<resp::Command> commands = Commands(
-        keyed.by_bucket, {ValueKind(value_dtype_), dim_text_, ttl_},
+        keyed.by_bucket, {kinds, dim_text_, ttl_},
         [&](int64_t i, std::vector<std::string_view>* args) {
           args->push_back(keyed.fields[i]);
-          args->emplace_back(deltas + i * row_bytes, row_bytes);
+          args->emplace_back(deltas + i * delta_bytes, delta_bytes);
           args->emplace_back(init + i * row_bytes, row_bytes);
         },
         &markers);
@@ -1750,10 +1757,11 @@ class RedisClearOp : public RedisBucketsOp {
 
 REGISTER_OP("TfdeRedisAccum")
     .Input("keys: Tkey")
-    .Input("deltas: Tvalue")
+    .Input("deltas: Tdelta")
     .Input("init: Tvalue")
     .Output("applied: int64")
-    .TFDE_REDIS_ATTRS.Attr("script: string")
+    .TFDE_REDIS_ATTRS.Attr("Tdelta: {float, double, half, bfloat16}")
+    .Attr("script: string")
     .Attr("marker_ttl_s: int = 3600")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape);

@@ -168,7 +168,10 @@ class Table:
 
     def accum(self, keys: tf.Tensor, deltas: tf.Tensor, missing: Missing) -> Optional[tf.Operation]:
         """Adds `deltas` to the rows of `keys`; a missing key is inserted as
-        its `missing` row plus its delta.  Duplicates all add."""
+        its `missing` row plus its delta.  Duplicates all add.  `deltas` are
+        of the table's dtype, float32 or float64 (as_deltas): each sum is
+        taken in the wider of the row's compute type and the deltas' and
+        rounded to the table's dtype once."""
         raise NotImplementedError
 
     def remove(self, keys: tf.Tensor) -> tf.Tensor:
@@ -498,6 +501,20 @@ def as_keys(keys, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
     if keys.shape.rank != 1:  # unknown ranks too (a graph's TensorSpec(None))
         keys = tf.reshape(keys, [-1])
     return keys
+
+
+def as_deltas(deltas, value_dtype: tf.DType, dim: int, table_name: str) -> tf.Tensor:
+    """`deltas` for Table.accum as a [n, dim] tensor: of the table's dtype,
+    float32 or float64 as given (the sum is taken in the wider type and
+    rounded to the table's dtype once: float32 deltas for a float16 table
+    are not rounded to float16 first), any other number type cast to the
+    table's compute type (float64 for float64 tables, float32 otherwise)."""
+    deltas = tf.convert_to_tensor(deltas)
+    if deltas.dtype not in (value_dtype, tf.float32, tf.float64) and (
+        deltas.dtype.is_floating or deltas.dtype.is_integer
+    ):
+        deltas = tf.cast(deltas, tf.float64 if value_dtype == tf.float64 else tf.float32)
+    return as_rows(deltas, deltas.dtype if deltas.dtype.is_floating else value_dtype, dim, table_name, "deltas")
 
 
 def as_rows(values, value_dtype: tf.DType, dim: int, table_name: str, what: str = "values") -> tf.Tensor:

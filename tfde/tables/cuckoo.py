@@ -20,6 +20,7 @@ from tfde.errors import CapacityError, ConfigError, from_op_error
 from tfde.tables.base import (
     Table,
     TableCreator,
+    as_deltas,
     as_keys,
     as_rows,
     check_dtypes,
@@ -180,7 +181,7 @@ class CuckooTable(Table, trackable_resource.TrackableResource):
     @_capacity_errors
     def accum(self, keys, deltas, missing):
         keys = as_keys(keys, self.key_dtype, self.name)
-        deltas = as_rows(deltas, self.value_dtype, self.dim, self.name, "deltas")
+        deltas = as_deltas(deltas, self.value_dtype, self.dim, self.name)
         defaults, attrs = self._missing_args(missing, tf.size(keys))
         return self._ops.tfde_table_accum(self.resource_handle, keys, deltas, defaults, **attrs)
 

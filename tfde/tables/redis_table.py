@@ -66,7 +66,16 @@ from tfde.errors import (
 )
 from tfde.hashing import route_low_np, stable_hash_np, stable_hash_py
 from tfde.initializers import InitSpec
-from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes, native_missing_args, register_creator
+from tfde.tables.base import (
+    Table,
+    TableCreator,
+    as_deltas,
+    as_keys,
+    as_rows,
+    check_dtypes,
+    native_missing_args,
+    register_creator,
+)
 from tfde.tables.redis_config import RedisTableConfig
 
 FORMAT_VERSION = 1
@@ -99,27 +108,33 @@ def retry_waits_ms(deadline_ms: int) -> list:
 
 # Adds deltas to rows atomically on the server.  KEYS[1]: the bucket hash;
 # KEYS[2]: a marker unique to this chunk of this call (same hash tag), so a
-# chunk retried after a dropped connection is applied once; ARGV: value kind
-# (f float32, d float64, h float16, b bfloat16), dim, marker TTL in seconds,
-# then (field, delta bytes, initial row bytes) triples; a missing field starts
-# from its initial row.  Sums are formed in double precision and rounded once
-# to the value type (round to nearest even).
+# chunk retried after a dropped connection is applied once; ARGV: the rows'
+# value kind (f float32, d float64, h float16, b bfloat16) followed by the
+# deltas' where it differs ("hf": float16 rows, float32 deltas), dim, marker
+# TTL in seconds, then (field, delta bytes, initial row bytes) triples; a
+# missing field starts from its initial row.  Sums are formed as the native
+# ops form them (backends/cuckoo/ops.cc AccumOp): float32 and float64 rows in
+# double precision rounded once to the rows' type, float16 and bfloat16 rows
+# in float32 then rounded to theirs (round to nearest even).
 _ACCUM_LUA = r"""
 if not redis.call('SET', KEYS[2], 1, 'NX', 'EX', tonumber(ARGV[3])) then return 0 end
-local kind, dim = ARGV[1], tonumber(ARGV[2])
-local size = ({f = 4, d = 8, h = 2, b = 2})[kind]
+local kind, dim = ARGV[1]:sub(1, 1), tonumber(ARGV[2])
+local dkind = ARGV[1]:sub(2, 2)  -- the deltas' kind where it is not the rows'
+if dkind == '' then dkind = kind end
+local sizes = {f = 4, d = 8, h = 2, b = 2}
+local size = sizes[kind]
 local function round_even(y)
   local fl = math.floor(y)
   local r = y - fl
   if r > 0.5 or (r == 0.5 and fl % 2 == 1) then fl = fl + 1 end
   return fl
 end
-local function decode(s, j)
-  local pos = j * size + 1
-  if kind == 'f' then return (struct.unpack('<f', s, pos)) end
-  if kind == 'd' then return (struct.unpack('<d', s, pos)) end
+local function decode(s, j, k)
+  local pos = j * sizes[k] + 1
+  if k == 'f' then return (struct.unpack('<f', s, pos)) end
+  if k == 'd' then return (struct.unpack('<d', s, pos)) end
   local h = struct.unpack('<I2', s, pos)
-  if kind == 'b' then return (struct.unpack('<f', struct.pack('<I4', h * 65536))) end
+  if k == 'b' then return (struct.unpack('<f', struct.pack('<I4', h * 65536))) end
   local sign = (h >= 32768) and -1 or 1
   local e, m = math.floor(h / 1024) % 32, h % 1024
   if e == 0 then return sign * m * 2 ^ -24 end
@@ -146,7 +161,7 @@ local function encode(x)
   if e + 15 >= 31 then return struct.pack('<I2', sign + 31744) end
   return struct.pack('<I2', sign + (e + 15) * 1024 + m)
 end
-if kind == 'f' or kind == 'd' then
+if (kind == 'f' or kind == 'd') and dkind == kind then
   -- float32 and float64 rows: struct decodes and encodes a block of a row
   -- at once (the same sums and roundings as decode and encode, about three
   -- times faster than one call per number).
@@ -165,10 +180,17 @@ if kind == 'f' or kind == 'd' then
   end
   return (#ARGV - 3) / 3
 end
+-- float16 and bfloat16 rows: the sum as the native ops form it, in float32
+-- (float64 deltas: in float64, then to float32, as their conversion to the
+-- row's type goes), then rounded to the row's type.
+local round_f32 = function(x) return x end
+if kind == 'h' or kind == 'b' then
+  round_f32 = function(x) return (struct.unpack('<f', struct.pack('<f', x))) end
+end
 for i = 4, #ARGV, 3 do
   local cur = redis.call('HGET', KEYS[1], ARGV[i]) or ARGV[i + 2]
   local delta, out = ARGV[i + 1], {}
-  for j = 0, dim - 1 do out[j + 1] = encode(decode(cur, j) + decode(delta, j)) end
+  for j = 0, dim - 1 do out[j + 1] = encode(round_f32(decode(cur, j, kind) + decode(delta, j, dkind))) end
   redis.call('HSET', KEYS[1], ARGV[i], table.concat(out))
 end
 return (#ARGV - 3) / 3
@@ -933,7 +955,7 @@ class RedisTable(Table, trackable_base.Trackable):
         _ACCUM_LUA once per chunk of keys of a bucket, and a chunk sent
         again by a retry is applied once (its marker key)."""
         keys = as_keys(keys, self.key_dtype, self.name)
-        deltas = as_rows(deltas, self.value_dtype, self.dim, self.name, "deltas")
+        deltas = as_deltas(deltas, self.value_dtype, self.dim, self.name)
         if isinstance(missing, InitSpec):
             init = self._ops.tfde_init_rows(keys, Tvalue=self.value_dtype, dim=self.dim, **missing.attrs())
         else:

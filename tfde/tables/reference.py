@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfde.initializers import InitSpec, init_rows_reference
-from tfde.tables.base import Table, TableCreator, as_keys, as_rows, check_dtypes, register_creator
+from tfde.tables.base import Table, TableCreator, as_deltas, as_keys, as_rows, check_dtypes, register_creator
 
 
 def _py_key(k):
@@ -61,11 +61,15 @@ class ReferenceTable(Table):
 
     def accum(self, keys, deltas, missing):
         ks = self._keys(keys)
-        ds = as_rows(deltas, self.value_dtype, self.dim, self.name, "deltas").numpy()
+        ds = as_deltas(deltas, self.value_dtype, self.dim, self.name).numpy()
+        stored = self.value_dtype.as_numpy_dtype
+        # The sum in the wider of the rows' compute type and the deltas' type,
+        # rounded to the table's dtype once.
+        acc = np.float64 if np.float64 in (stored, ds.dtype) else np.float32
         init = self._missing_rows(missing, ks)
         for i, (k, d) in enumerate(zip(ks, ds)):
-            base = self.rows.get(k, init[i].astype(ds.dtype))
-            self.rows[k] = (base + d).astype(ds.dtype)
+            base = self.rows.get(k, init[i].astype(stored))
+            self.rows[k] = (base.astype(acc) + d.astype(acc)).astype(stored)
 
     def remove(self, keys):
         n = 0
