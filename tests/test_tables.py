@@ -187,6 +187,48 @@ def test_accum_of_wider_deltas_matches_the_reference_bit_for_bit(backend, rng, v
     np.testing.assert_array_equal(got[1].astype(np.float64), want[1].astype(np.float64))
 
 
+@pytest.mark.parametrize(
+    "value_dtype,row,delta,want",
+    [
+        (tf.float16, 1.0, 2.0**-11 + 2.0**-40, 1.0),  # float64 1 + 2^-11 + 2^-40 -> float32 1 + 2^-11 -> a tie: 1
+        (tf.bfloat16, 65536.0, 16777217.0, 16777216.0),
+    ],
+    ids=["float16", "bfloat16"],
+)
+def test_a_float64_sum_reaches_a_half_row_through_float32(backend, value_dtype, row, delta, want):
+    """Every backend converts a float64 sum to float16 or bfloat16 as
+    TensorFlow's cast does (through float32), so they all store one value."""
+    t = backend.create("through", tf.int64, value_dtype, 1)
+    key = tf.constant([1], tf.int64)
+    t.insert(key, tf.constant([[row]], value_dtype))
+    t.accum(key, tf.constant([[delta]], tf.float64), INIT)
+    assert float(t.find(key, INIT)[0].numpy()[0, 0]) == want
+    assert float(tf.cast(tf.constant(row, tf.float64) + delta, value_dtype)) == want  # TensorFlow's own
+
+
+@pytest.mark.parametrize("value_dtype", [tf.float16, tf.bfloat16], ids=lambda d: d.name)
+def test_a_nan_delta_stores_a_nan_of_its_sign(backend, value_dtype):
+    """float32 NaN deltas with any payload, either sign: the row becomes
+    the quiet NaN of the delta's sign on every backend (Redis's script once
+    rounded a bfloat16 NaN's payload into -0.0)."""
+    bits = np.array([0x7FFFFFFF, 0x7FFF8001, 0x7FBFFFFF, 0xFFFF8000, 0x7FC00000, 0xFFC00000], np.uint32)
+    deltas = bits.view(np.float32).reshape(-1, 1)
+    keys = tf.range(len(bits), dtype=tf.int64)
+    t = backend.create("nan", tf.int64, value_dtype, 1)
+    t.insert(keys, tf.ones([len(bits), 1], value_dtype))
+    t.accum(keys, tf.constant(deltas), INIT)
+    rows = t.find(keys, INIT)[0].numpy().astype(np.float32)[:, 0]
+    assert np.isnan(rows).all(), rows
+    assert np.signbit(rows).tolist() == [b >= 0x80000000 for b in bits.tolist()]
+
+
+def test_accum_refuses_more_deltas_than_keys(backend):
+    t = backend.create("count", tf.int64, tf.float32, 2)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
+        t.accum(tf.constant([1], tf.int64), tf.ones([2, 2]), INIT)
+    assert int(t.size()) == 0
+
+
 def test_export_in_bounded_chunks(backend):
     t = backend.create("chunks", tf.int64, tf.float32, 2)
     t.insert(tf.range(1000, dtype=tf.int64), tf.zeros([1000, 2]))

@@ -108,6 +108,22 @@ def test_write_ops(creator):
     assert int(v.size()) == 0
 
 
+@pytest.mark.parametrize(
+    "delta",
+    [[[2049.0]], np.array([[2049.0]], np.float32), np.array([[2049.0]], np.float64), [[2049]], np.array([[2049]])],
+    ids=["list", "numpy-float32", "numpy-float64", "int-list", "numpy-int"],
+)
+def test_accum_of_a_float16_variable_adds_deltas_as_given(creator, delta):
+    """-2048 + 2049 = 1 in float16, though 2049 is not a float16 (it rounds
+    to 2048): Python numbers, numpy arrays and ints reach the table in
+    float32 (or their own float64), not rounded to float16 first."""
+    v = tfde.Variable("half", dim=1, value_dtype=tf.float16, initializer=0.0, table_creator=creator)
+    key = tf.constant([1], tf.int64)
+    v.upsert(key, tf.constant([[-2048.0]], tf.float16))
+    v.accum(key, delta)
+    assert v.lookup(key).numpy().tolist() == [[1.0]]
+
+
 def test_string_keys(creator):
     v = tfde.Variable("str", key_dtype=tf.string, dim=2, initializer=0.0, table_creator=creator)
     v.upsert(tf.constant(["a", "bb"]), tf.constant([[1.0, 1.0], [2.0, 2.0]]))

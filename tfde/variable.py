@@ -32,6 +32,7 @@ import itertools
 import re
 from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 
 from tfde import _native
@@ -354,10 +355,24 @@ class Variable(tf.Module):
         return values, exists
 
     def _rows_arg(self, values, what="values", wider_ok=False):
-        """`values` as [n, dim] rows of the value dtype; with wider_ok,
-        float32 and float64 values stay as they are (accum's deltas:
-        Table.accum rounds each sum to the value dtype once)."""
-        values = tf.convert_to_tensor(values, dtype_hint=self.value_dtype)
+        """`values` as [n, dim] rows of the value dtype; with wider_ok
+        (accum's deltas, which Table.accum adds in the wider type before
+        rounding the sum to the value dtype), float32 and float64 values
+        stay as they are, numpy arrays keep their dtype, Python numbers
+        become the compute type (float32, float64 for float64 Variables),
+        and other number types are cast to it (tables/base.py as_deltas)."""
+        if wider_ok:
+            compute = tf.float64 if self.value_dtype == tf.float64 else tf.float32
+            if isinstance(values, np.ndarray):
+                values = tf.convert_to_tensor(values)
+            else:
+                values = tf.convert_to_tensor(values, dtype_hint=compute)
+            if values.dtype not in (self.value_dtype, tf.float32, tf.float64) and (
+                values.dtype.is_floating or values.dtype.is_integer
+            ):
+                values = tf.cast(values, compute)
+        else:
+            values = tf.convert_to_tensor(values, dtype_hint=self.value_dtype)
         if values.dtype != self.value_dtype and not (wider_ok and values.dtype in (tf.float32, tf.float64)):
             if not (values.dtype.is_floating or values.dtype.is_integer):
                 raise ShapeError(f"{what} for {self.name!r} are {values.dtype.name}, expected {self.value_dtype.name}")
@@ -445,9 +460,11 @@ class Variable(tf.Module):
 
     def accum(self, keys: KeysLike, deltas: RowsLike) -> Optional[tf.Operation]:
         """Adds `deltas` to the rows of `keys`; a key not stored yet starts from
-        its initial row.  Duplicated keys add up.  float32 or float64 deltas
-        for a float16 or bfloat16 Variable are added in float32 (float64)
-        and each sum is rounded to the value dtype once."""
+        its initial row.  Duplicated keys add up.  Deltas of a float16 or
+        bfloat16 Variable are added in float32 (float64 ones in float64) and
+        each sum is rounded to the value dtype once (a float64 sum through
+        float32, as TensorFlow's cast does); give them as float32 to keep
+        them unrounded: deltas of the value dtype were rounded already."""
         flat = self._flat_keys(keys)
         rows = self._counted(flat, self._rows_arg(deltas, "deltas", wider_ok=True))
 

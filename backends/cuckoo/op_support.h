@@ -87,9 +87,11 @@ inline ::absl::Status CheckGradDtype(DataType value, DataType grad) {
 }
 
 // The dtypes an accum op (TfdeTableAccum, TfdeRedisAccum) takes deltas in
-// for a table of `value`: the table's own, float32 or float64.  A half or
-// bfloat16 table given float32 deltas adds them in float32 and rounds the
-// sum once (docs/tables.md, "accum").
+// for a table of `value`: the table's own, float32 or float64.  The sum is
+// taken in the wider of the two compute types (float32 for half and
+// bfloat16) and rounded to the table's type once; a float64 sum goes to
+// half and bfloat16 through float32, as TensorFlow's cast goes
+// (docs/guide.md, `accum`).
 inline ::absl::Status CheckDeltaDtype(DataType value, DataType delta) {
   if (delta == value || delta == ::tensorflow::DT_FLOAT || delta == ::tensorflow::DT_DOUBLE) return ::absl::OkStatus();
   return errors::InvalidArgument("deltas for a ", DataTypeString(value), " table must be ", DataTypeString(value),

@@ -170,8 +170,10 @@ class Table:
         """Adds `deltas` to the rows of `keys`; a missing key is inserted as
         its `missing` row plus its delta.  Duplicates all add.  `deltas` are
         of the table's dtype, float32 or float64 (as_deltas): each sum is
-        taken in the wider of the row's compute type and the deltas' and
-        rounded to the table's dtype once."""
+        taken in the wider of the row's compute type (float32 for float16
+        and bfloat16) and the deltas' and rounded to the table's dtype once
+        (a float64 sum to float16 or bfloat16 through float32, as
+        TensorFlow's cast goes)."""
         raise NotImplementedError
 
     def remove(self, keys: tf.Tensor) -> tf.Tensor:

@@ -115,7 +115,10 @@ def retry_waits_ms(deadline_ms: int) -> list:
 # missing field starts from its initial row.  Sums are formed as the native
 # ops form them (backends/cuckoo/ops.cc AccumOp): float32 and float64 rows in
 # double precision rounded once to the rows' type, float16 and bfloat16 rows
-# in float32 then rounded to theirs (round to nearest even).
+# in float32 (float64 for float64 deltas, then to float32) and rounded to
+# theirs (round to nearest even; a NaN becomes the quiet NaN of its sign).
+# Unlike the native ops, which run with TensorFlow's flush of subnormal
+# numbers to zero, the script keeps subnormal float32 and float64 values.
 _ACCUM_LUA = r"""
 if not redis.call('SET', KEYS[2], 1, 'NX', 'EX', tonumber(ARGV[3])) then return 0 end
 local kind, dim = ARGV[1]:sub(1, 1), tonumber(ARGV[2])
@@ -138,18 +141,26 @@ local function decode(s, j, k)
   local sign = (h >= 32768) and -1 or 1
   local e, m = math.floor(h / 1024) % 32, h % 1024
   if e == 0 then return sign * m * 2 ^ -24 end
-  if e == 31 then return (m == 0) and sign * math.huge or 0 / 0 end
+  if e == 31 and m == 0 then return sign * math.huge end
+  if e == 31 then  -- a NaN of the half's sign (0 / 0's sign depends on the machine)
+    return (struct.unpack('<f', struct.pack('<I4', (h >= 32768) and 4290772992 or 2143289344)))
+  end
   return sign * (1 + m / 1024) * 2 ^ (e - 15)
+end
+-- Whether NaN `x` has its sign bit set.
+local function negative_nan(x)
+  return struct.unpack('<I4', struct.pack('<f', x)) >= 2147483648
 end
 local function encode(x)
   if kind == 'f' then return struct.pack('<f', x) end
   if kind == 'd' then return struct.pack('<d', x) end
+  -- A NaN becomes the quiet NaN of its sign, as the native conversions make it.
+  if x ~= x then return struct.pack('<I2', (kind == 'b' and 32704 or 32256) + (negative_nan(x) and 32768 or 0)) end
   if kind == 'b' then
     local u = struct.unpack('<I4', struct.pack('<f', x))
     local lsb = math.floor(u / 65536) % 2
     return struct.pack('<I2', math.floor((u + 32767 + lsb) / 65536) % 65536)
   end
-  if x ~= x then return struct.pack('<I2', 32256) end
   local sign = 0
   if x < 0 or (x == 0 and 1 / x < 0) then sign = 32768; x = -x end
   if x >= 65520 then return struct.pack('<I2', sign + 31744) end

@@ -62,14 +62,20 @@ class ReferenceTable(Table):
     def accum(self, keys, deltas, missing):
         ks = self._keys(keys)
         ds = as_deltas(deltas, self.value_dtype, self.dim, self.name).numpy()
+        if ds.shape[0] != len(ks):
+            raise ValueError(f"{len(ks)} keys but {ds.shape[0]} deltas")
         stored = self.value_dtype.as_numpy_dtype
         # The sum in the wider of the rows' compute type and the deltas' type,
-        # rounded to the table's dtype once.
+        # rounded to the table's dtype; a float64 sum of a float16 or bfloat16
+        # row goes through float32, as TensorFlow's and the native ops'
+        # conversions go.
         acc = np.float64 if np.float64 in (stored, ds.dtype) else np.float32
+        half = self.value_dtype in (tf.float16, tf.bfloat16)
         init = self._missing_rows(missing, ks)
         for i, (k, d) in enumerate(zip(ks, ds)):
             base = self.rows.get(k, init[i].astype(stored))
-            self.rows[k] = (base.astype(acc) + d.astype(acc)).astype(stored)
+            total = base.astype(acc) + d.astype(acc)
+            self.rows[k] = (total.astype(np.float32) if half else total).astype(stored)
 
     def remove(self, keys):
         n = 0
