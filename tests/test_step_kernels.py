@@ -8,6 +8,7 @@ rows and slots (rtol 1e-6), on in-process cuckoo tables and on Redis
 op).  Each run checks which path it took, so the comparison cannot pass by
 comparing a path with itself."""
 
+import time
 import uuid
 
 import numpy as np
@@ -76,16 +77,32 @@ class Calls:
         monkeypatch.setattr(tfde.variable, "fused_lookup", counted_lookup)
 
 
-def train(make_opt, value_dtype=tf.float32, nan_at=None, graph=True, stored=0, backend="cuckoo"):
+def train(make_opt, value_dtype=tf.float32, nan_at=None, graph=True, stored=0, backend="cuckoo", policy=None):
     """STEPS steps of two Variables (int64 and string keys); the item
     Variable is looked up twice per step (its step buffer then holds keys
     twice).  `stored`: item keys 0..stored-1 hold rows before training (and
-    no optimizer slots yet).  Returns {table: {key: row}} of rows and slots."""
+    no optimizer slots yet).  `policy`: a callable making each Variable's
+    restrict policy.  Returns {table: {key: row}} of rows and slots (policy
+    state included)."""
     init = tf.keras.initializers.RandomUniform(-1, 1, seed=3)
     creator = _creator(backend)
-    item = tfde.Variable("item", dim=DIM, value_dtype=value_dtype, initializer=init, table_creator=creator)
+    policies = {} if policy is None else {"item": policy(), "user": policy()}
+    item = tfde.Variable(
+        "item",
+        dim=DIM,
+        value_dtype=value_dtype,
+        initializer=init,
+        table_creator=creator,
+        restrict_policy=policies.get("item"),
+    )
     user = tfde.Variable(
-        "user", key_dtype=tf.string, dim=DIM, value_dtype=value_dtype, initializer=init, table_creator=creator
+        "user",
+        key_dtype=tf.string,
+        dim=DIM,
+        value_dtype=value_dtype,
+        initializer=init,
+        table_creator=creator,
+        restrict_policy=policies.get("user"),
     )
     if stored:
         rows = np.random.default_rng(9).standard_normal((stored, DIM))
@@ -115,6 +132,9 @@ def train(make_opt, value_dtype=tf.float32, nan_at=None, graph=True, stored=0, b
         )
     out = {}
     for var in (item, user):
+        latest = getattr(var.restrict_policy, "_latest_step", None)  # a TTL policy's
+        if latest is not None:
+            out[f"{var.name}/ttl-latest"] = {0: np.array([latest.numpy()])}
         for name, v in [("rows", var)] + sorted(var.slots.items()):
             table = {}
             for keys, rows in v.export():
@@ -235,15 +255,65 @@ def test_eager_steps_take_it_too(monkeypatch, backend):
 
 
 def test_what_the_kernel_does_not_cover_takes_the_python_path(monkeypatch, backend):
-    """Ftrl with another learning_rate_power, clipping: the Python path."""
+    """Ftrl with another learning_rate_power, clipping, a restrict policy of
+    the user's own (a subclass may count otherwise), any restrict policy on
+    Redis: the Python path."""
+
+    class Twice(tfde.FrequencyRestrictPolicy):
+        def step_values(self, keys, step):
+            return {self.scores: self.scores._find(keys, for_update=True)[0] + 2.0}
+
+    adam = lambda: K.Adam(0.01)  # noqa: E731
     cases = [
-        (lambda: K.Ftrl(0.1, learning_rate_power=-0.7), tf.float32),
-        (lambda: K.Adam(0.01, clipnorm=1.0), tf.float32),
+        (lambda: K.Ftrl(0.1, learning_rate_power=-0.7), None),
+        (lambda: K.Adam(0.01, clipnorm=1.0), None),
+        (adam, Twice),
     ]
-    for make, dtype in cases:
+    if backend == "redis":
+        cases.append((adam, tfde.FrequencyRestrictPolicy))
+    for make, policy in cases:
         calls = Calls(monkeypatch)
-        assert train(lambda: tfde.DynamicEmbeddingOptimizer(make()), value_dtype=dtype, backend=backend)
+        out = train(lambda: tfde.DynamicEmbeddingOptimizer(make()), backend=backend, policy=policy)
         assert calls.count == 0
+        if policy is Twice:  # its own rule was applied
+            counts = {float(c[0]) for c in out["item/policy-frequency"].values()}
+            assert all(c % 2 == 0 for c in counts) and max(counts) > STEPS, counts  # 2 a step, not 1
+
+
+POLICIES = {
+    "frequency": tfde.FrequencyRestrictPolicy,
+    "timestamp": tfde.TimestampRestrictPolicy,
+    "ttl": lambda: tfde.TTLPolicy(ttl_steps=3),
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+def test_tfde_restrict_policies_take_it_and_write_what_the_python_path_writes(monkeypatch, policy, graph):
+    """tfde's frequency, timestamp (step clock) and TTL policies on cuckoo
+    tables: the fused step writes each key's count or step with its row and
+    slots, as the Python path does (a NaN gradient's key is not counted: its
+    row is not written), and a TTL policy records the latest step."""
+    make = lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01))  # noqa: E731
+    fused, python = both_paths(monkeypatch, make, policy=POLICIES[policy], nan_at=2, graph=graph)
+    assert_same(fused, python, rtol=0, atol=0)
+    state = "frequency" if policy == "frequency" else "timestamp"
+    assert max(fused[f"item/policy-{state}"].values()) > 1.0  # counted over several steps (or stepped on)
+    if policy == "ttl":
+        assert fused["item/ttl-latest"][0].tolist() == [STEPS - 1]
+
+
+def test_a_wall_clock_timestamp_takes_it_and_stamps_the_step_s_time(monkeypatch):
+    calls = Calls(monkeypatch)
+    before = time.time()
+    out = train(
+        lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01)),
+        policy=lambda: tfde.TimestampRestrictPolicy(clock="wall"),
+    )
+    after = time.time()
+    assert calls.count > 0
+    stamps = np.array([v[0] for v in out["item/policy-timestamp"].values()])
+    assert len(stamps) > 0 and (stamps >= before).all() and (stamps <= after).all(), (before, stamps, after)
 
 
 # ---------------------------------------------------------------- the ops refuse bad inputs, changing nothing
@@ -270,6 +340,7 @@ def adam_apply(tables, slots, keys, indices, grads, defaults, hyper, **overrides
         init_p1=[0.0] * len(tables),
         init_seed=[0] * len(tables),
     )
+    states = {k: overrides.pop(k) for k in ("state_tables", "state_values") if k in overrides}
     attrs.update(overrides)
     return ops().tfde_table_apply(
         tables=tables,
@@ -279,6 +350,8 @@ def adam_apply(tables, slots, keys, indices, grads, defaults, hyper, **overrides
         grads=grads,
         defaults=defaults,
         hyper=hyper,
+        state_tables=states.get("state_tables", []),
+        state_values=states.get("state_values", tf.zeros([0], tf.float64)),
         **attrs,
     )
 
@@ -319,6 +392,49 @@ def test_the_apply_op_refuses_bad_inputs_and_writes_nothing(change, match):
     assert [int(t.size()) for t in (rows, m, v, other)] == [0, 0, 0, 0]
     written = adam_apply(**good)
     assert [int(w) for w in written] == [2] and int(rows.size()) == 2  # keys 1 and 3: the gradient rows' keys
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"state_part": [1]}, r"state_part\[0\] = 1 must name a part \(0..0\)"),
+        ({"state_mode": ["max"]}, r"state_mode\[0\] must be 'add' or 'set', got 'max'"),
+        ({"state_init": []}, "state_part, state_mode and state_init need one entry per state table"),
+        ({"state_values": tf.ones([2], tf.float64)}, "state_values must be a vector of 1 values"),
+        ({"state_table": "float32"}, "a policy state table holds int64 -> float64 rows of dim 1"),
+        ({"state_table": "dim2"}, "a policy state table holds int64 -> float64 rows of dim 1"),
+    ],
+)
+def test_the_apply_op_refuses_bad_policy_state_and_writes_nothing(change, match):
+    rows = tfde.Variable("rows", dim=4)
+    m, v = tfde.Variable("m", dim=4), tfde.Variable("v", dim=4)
+    tables = {
+        "good": tfde.Variable("state", dim=1, value_dtype=tf.float64),
+        "float32": tfde.Variable("state32", dim=1),
+        "dim2": tfde.Variable("state2", dim=2, value_dtype=tf.float64),
+    }
+    handle = lambda var: var._tables[0].resource_handle  # noqa: E731
+    good = dict(
+        tables=[handle(rows)],
+        slots=[handle(m), handle(v)],
+        keys=[tf.constant([1, 2, 3], tf.int64)],
+        indices=[tf.constant([0, 2], tf.int32)],
+        grads=[tf.ones([2, 4])],
+        defaults=[tf.zeros([0, 4])],
+        hyper=tf.constant([0.1, 0.0, 0.1, 0.1, 0.001, 1e-7]),
+    )
+    state = dict(state_part=[0], state_mode=["add"], state_init=[0.0], state_values=tf.constant([1.0], tf.float64))
+    state["state_tables"] = [handle(tables["good"])]
+    if "state_table" in change:
+        change["state_tables"] = [handle(tables[change.pop("state_table")])]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+        adam_apply(**good, **{**state, **change})
+    assert [int(t.size()) for t in [rows, m, v, *tables.values()]] == [0] * 6
+    adam_apply(**good, **{**state, "state_mode": ["set"], "state_values": tf.constant([7.0], tf.float64)})
+    adam_apply(**good, **state)  # adds 1 to what was set
+    found = tables["good"].lookup(tf.constant([1, 2, 3], tf.int64), return_exists=True)
+    assert found[1].numpy().tolist() == [True, False, True]  # keys 1 and 3: the gradient rows' keys
+    assert found[0].numpy()[[0, 2], 0].tolist() == [8.0, 8.0]
 
 
 def test_the_lookup_op_refuses_a_table_of_another_dim():

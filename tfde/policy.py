@@ -81,6 +81,19 @@ class RestrictPolicy(abc.ABC):
         the write replaces.  Nothing ({}) by default."""
         return {}
 
+    def fused_state(self) -> Optional[tuple]:
+        """(state slot Variable, "add" or "set", the slot's initial value)
+        when the fused training step (tfde/step_kernels.py) can write what
+        step_values writes: each written key's value plus, or replaced by,
+        fused_state_value(step); and on_apply does not depend on the keys.
+        None (the default, and for subclasses, which may change either):
+        the Variable trains on the optimizer's Python path."""
+        return None
+
+    def fused_state_value(self, step: tf.Tensor) -> tf.Tensor:
+        """The float64 scalar fused_state's mode adds or sets at `step`."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused state")
+
     def on_apply(self, keys: tf.Tensor, step: tf.Tensor) -> Optional[tf.Operation]:
         """Called with the same arguments once the step's writes are done,
         for what step_values cannot state (state outside the Variable's
@@ -224,6 +237,12 @@ class FrequencyRestrictPolicy(_ScoredPolicy):
         # where an accum would be a write of its own.
         return {self.scores: self.scores._find(keys, for_update=True)[0] + 1.0}
 
+    def fused_state(self) -> Optional[tuple]:
+        return (self.scores, "add", 0.0) if type(self) is FrequencyRestrictPolicy else None
+
+    def fused_state_value(self, step: tf.Tensor) -> tf.Tensor:
+        return tf.constant(1.0, tf.float64)
+
     def sync_merges(self) -> dict:
         # Each worker counts the steps in which it updated a key: a sync
         # adds the workers' counts.
@@ -252,6 +271,13 @@ class TimestampRestrictPolicy(_ScoredPolicy):
 
     def step_values(self, keys: tf.Tensor, step: tf.Tensor) -> dict:
         return {self.scores: tf.fill([tf.size(keys), 1], self._now(step))}
+
+    def fused_state(self) -> Optional[tuple]:
+        # TTLPolicy's on_apply records the step only.
+        return (self.scores, "set", 0.0) if type(self) in (TimestampRestrictPolicy, TTLPolicy) else None
+
+    def fused_state_value(self, step: tf.Tensor) -> tf.Tensor:
+        return self._now(step)
 
     def sync_merges(self) -> dict:
         return {self.scores: "max"}  # the latest update of any worker

@@ -18,7 +18,10 @@ path of the optimizer, which stays the reference:
 
 * a Variable qualifies when its tables and its slots' are in-process cuckoo
   tables, or Redis tables of one creator, one shard each,
-  with no restrict policy, admission filter or change tracking (`qualifies`);
+  with no admission filter or change tracking, and no restrict policy other
+  than tfde's frequency, timestamp and TTL policies on cuckoo tables (the
+  kernel writes their state with the step: RestrictPolicy.fused_state)
+  (`qualifies`);
 * an optimizer step qualifies unless it clips (clipnorm, clipvalue,
   global_clipnorm) or scales the loss (`step_qualifies`).
 
@@ -73,10 +76,12 @@ def qualifies(var) -> bool:
     """Whether `var`'s training writes can take the fused step: on
     in-process cuckoo tables (TfdeTableApply) or on Redis tables of one
     creator (TfdeRedisApply, RedisTable.apply_step)."""
-    if not enabled or var.num_shards != 1 or var.restrict_policy is not None:
+    if not enabled or var.num_shards != 1:
         return False
     if var.admission_filter is not None or var.changes is not None:
         return False
+    if var.restrict_policy is not None:
+        return var.restrict_policy.fused_state() is not None and takes_buffer_gradients(var)
     return takes_buffer_gradients(var) or _on_redis(var)
 
 
@@ -238,7 +243,14 @@ def apply(opt, rule, parts: List[Part], lr, keys: Optional[list] = None, step=No
             kinds.append(attrs["init_kind"]), p0.append(attrs["init_p0"]), p1.append(attrs["init_p1"])
             seeds.append(attrs["init_seed"])
     slot_tables = [p.var.slot(name, init)._train_tables()[0].resource_handle for p in parts for name, init in slots]
-    return _native.load().tfde_table_apply(
+    # The restrict policies' state, written with the rows (the Python path's
+    # Variable._step_state), and their on_apply after: `iterations` is the
+    # optimizer's count before the step, as there.
+    iterations = tf.identity(opt.iterations)
+    states = [(i, p.var.restrict_policy) for i, p in enumerate(parts) if p.var.restrict_policy is not None]
+    fused_states = [policy.fused_state() for _, policy in states]
+    values = [tf.cast(policy.fused_state_value(iterations), tf.float64) for _, policy in states]
+    written = _native.load().tfde_table_apply(
         tables=[p.var._train_tables()[0].resource_handle for p in parts],
         slot_tables=slot_tables,
         keys=keys if keys is not None else [p.keys for p in parts],
@@ -252,8 +264,19 @@ def apply(opt, rule, parts: List[Part], lr, keys: Optional[list] = None, step=No
         init_p0=p0,
         init_p1=p1,
         init_seed=seeds,
+        state_tables=[slot._train_tables()[0].resource_handle for slot, _, _ in fused_states],
+        state_values=tf.stack(values) if values else tf.zeros([0], tf.float64),
+        state_part=[i for i, _ in states],
+        state_mode=[mode for _, mode, _ in fused_states],
+        state_init=[float(init) for _, _, init in fused_states],
         **_flags(opt, rule),
     )
+    with tf.control_dependencies(written):
+        after = [op for i, _ in states for op in parts[i].var._after_update(parts[i].keys, iterations)]
+    if not after:
+        return written
+    with tf.control_dependencies(after):
+        return [tf.identity(w) for w in written]
 
 
 def _apply_redis(opt, rule, part: Part, lr, keys, step) -> tf.Tensor:

@@ -14,7 +14,12 @@
 //      its initial row; a missing slot with its initial value);
 //   4. applies the optimizer rule (rules.h, the formulas of
 //      tfde/optimizer_rules.py) to each row and its slots in place:
-//      one pass over each table.
+//      one pass over each table;
+//   5. where the part has a restrict policy's state table (float64, one
+//      value per key: tfde/policy.py FrequencyRestrictPolicy's counts,
+//      TimestampRestrictPolicy's times), adds the step's value to each
+//      written key's state ("add") or sets it ("set"), in the same pass
+//      and under the same hold of the key's rows.
 // Every input of every part is checked before anything is read or written,
 // so a refused call changes nothing.
 #include <algorithm>
@@ -91,6 +96,9 @@ struct Part {
   const Tensor* defaults = nullptr;  // [b, dim] step-buffer rows, or nullptr: init spec
   InitSpec init;
   bool decay = false;
+  TypedTable<K>* state = nullptr;  // the policy state table, or nullptr
+  bool state_adds = false;         // "add" (else "set")
+  double state_value = 0, state_init = 0;
 };
 
 // Runs work(p) for every part p in [0, n) side by side on the intra-op
@@ -169,6 +177,25 @@ class TableApplyOp : public OpKernel {
     OP_REQUIRES(ctx, static_cast<int>(slot_init_.size()) == slots,
                 errors::InvalidArgument("slot_init needs one value per slot (", slots, "), got ", slot_init_.size()));
     OP_REQUIRES_OK(ctx, CheckGradDtype(value_dtype_, grad_dtype_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("S", &s_));
+    std::vector<std::string> modes;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("state_part", &state_part_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("state_mode", &modes));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("state_init", &state_init_));
+    const size_t states = static_cast<size_t>(s_);
+    OP_REQUIRES(ctx, state_part_.size() == states && modes.size() == states && state_init_.size() == states,
+                errors::InvalidArgument("state_part, state_mode and state_init need one entry per state table (", s_,
+                                        "), got ", state_part_.size(), ", ", modes.size(), ", ", state_init_.size()));
+    std::vector<bool> has_state(n, false);
+    for (size_t i = 0; i < states; ++i) {
+      OP_REQUIRES(ctx, state_part_[i] >= 0 && state_part_[i] < n_ && !has_state[state_part_[i]],
+                  errors::InvalidArgument("state_part[", i, "] = ", state_part_[i], " must name a part (0..", n_ - 1,
+                                          ") that no other state table names"));
+      has_state[state_part_[i]] = true;
+      OP_REQUIRES(ctx, modes[i] == "add" || modes[i] == "set",
+                  errors::InvalidArgument("state_mode[", i, "] must be 'add' or 'set', got '", modes[i], "'"));
+      state_adds_.push_back(modes[i] == "add");
+    }
     inits_.resize(n);
     for (size_t i = 0; i < n; ++i) {
       try {
@@ -205,14 +232,23 @@ class TableApplyOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("indices", &indices));
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
     OP_REQUIRES_OK(ctx, ctx->input_list("defaults", &defaults));
-    const Tensor& hyper = ctx->input(ctx->num_inputs() - 1);
+    const Tensor* hyper_input = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->input("hyper", &hyper_input));
+    const Tensor& hyper = *hyper_input;
+    const Tensor* state_values = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->input("state_values", &state_values));
+    OP_REQUIRES(ctx, state_values->dims() == 1 && state_values->dim_size(0) == s_,
+                errors::InvalidArgument("state_values must be a vector of ", s_,
+                                        " values (one per state table), got "
+                                        "shape ",
+                                        state_values->shape().DebugString()));
     const int slots = spec_.NumSlots();
     OP_REQUIRES(ctx, hyper.dims() == 1 && hyper.dim_size(0) >= spec_.NumHyper(),
                 errors::InvalidArgument("hyper must be a vector of at least ", spec_.NumHyper(), " values, got shape ",
                                         hyper.shape().DebugString()));
 
     // Every check, for every part, before anything is read or written.
-    std::vector<::tensorflow::core::RefCountPtr<TableResource>> holders(n_ + m_);
+    std::vector<::tensorflow::core::RefCountPtr<TableResource>> holders(n_ + m_ + s_);
     std::vector<Part<K>> parts(n_);
     for (int p = 0; p < n_; ++p) {
       Part<K>& part = parts[p];
@@ -257,6 +293,16 @@ class TableApplyOp : public OpKernel {
       part.init = inits_[p];
       part.decay = decay_[p];
     }
+    int state_start = 0, state_stop = 0;
+    OP_REQUIRES_OK(ctx, this->InputRange("state_tables", &state_start, &state_stop));
+    for (int i = 0; i < s_; ++i) {
+      Part<K>& part = parts[state_part_[i]];
+      part.state = State<K>(ctx, state_start + i, &holders[n_ + m_ + i]);
+      if (part.state == nullptr) return;
+      part.state_adds = state_adds_[i];
+      part.state_value = state_values->flat<double>()(i);
+      part.state_init = state_init_[i];
+    }
 
     std::vector<Tensor*> written(n_);
     for (int p = 0; p < n_; ++p) {
@@ -294,6 +340,21 @@ class TableApplyOp : public OpKernel {
       ctx->CtxFailure(errors::InvalidArgument("input ", input, " is a ", raw->Describe(), "; this apply takes ",
                                               DataTypeString(key_dtype_), " -> ", DataTypeString(value_dtype_),
                                               " tables", of ? " of dim " + std::to_string(of->dim()) : std::string()));
+      return nullptr;
+    }
+    return static_cast<TypedTable<K>*>(raw);
+  }
+
+  // The policy state table behind input `input`: TK's key dtype, float64
+  // values of dim 1.
+  template <class K>
+  TypedTable<K>* State(OpKernelContext* ctx, int input, ::tensorflow::core::RefCountPtr<TableResource>* holder) {
+    TableResource* raw = ResolveAny(ctx, input, holder);
+    if (raw == nullptr) return nullptr;
+    if (raw->key_dtype() != key_dtype_ || raw->value_dtype() != ::tensorflow::DT_DOUBLE || raw->dim() != 1) {
+      ctx->CtxFailure(errors::InvalidArgument("input ", input, " is a ", raw->Describe(),
+                                              "; a policy state table holds ", DataTypeString(key_dtype_),
+                                              " -> float64 rows of dim 1"));
       return nullptr;
     }
     return static_cast<TypedTable<K>*>(raw);
@@ -341,12 +402,16 @@ class TableApplyOp : public OpKernel {
     const V* defaults = part.defaults ? reinterpret_cast<const V*>(part.defaults->tensor_data().data()) : nullptr;
     std::vector<TypedTable<K>*> tables{part.table};
     tables.insert(tables.end(), part.slots.begin(), part.slots.end());
+    const size_t state_t = tables.size();  // the state table's index in `tables`, when there is one
+    if (part.state != nullptr) tables.push_back(part.state);
     std::vector<char* const*> rows(tables.size(), nullptr);
     // A created row of table t: the row table's from the step buffer (else
-    // its initializer), a slot's its initial value.
+    // its initializer), a slot's its initial value, the state's its own.
     auto fill = [&](size_t t, int64_t k, char* row, uint64_t hash) {
       V* r = reinterpret_cast<V*>(row);
-      if (t > 0) {
+      if (t == state_t) {
+        *reinterpret_cast<double*>(row) = part.state_init;
+      } else if (t > 0) {
         const V init = static_cast<V>(slot_init_[t - 1]);
         for (int64_t c = 0; c < dim; ++c) r[c] = init;
       } else if (defaults != nullptr) {
@@ -361,7 +426,7 @@ class TableApplyOp : public OpKernel {
       for (int sl = 0; sl < slots; ++sl) ptrs[sl] = &s[sl * dim];
       for (int64_t k = 0; k < n; ++k) {
         if (k + kPrefetchDistance < n)
-          for (size_t t = 0; t < tables.size(); ++t) PrefetchLines(rows[t][k + kPrefetchDistance], dim * sizeof(V));
+          for (size_t t = 0; t < state_t; ++t) PrefetchLines(rows[t][k + kPrefetchDistance], dim * sizeof(V));
         V* row = reinterpret_cast<V*>(rows[0][k]);
         for (int64_t c = 0; c < dim; ++c) w[c] = ToCompute<V, C>(row[c]);
         for (int sl = 0; sl < slots; ++sl) {
@@ -373,6 +438,10 @@ class TableApplyOp : public OpKernel {
         for (int sl = 0; sl < slots; ++sl) {
           V* r = reinterpret_cast<V*>(rows[1 + sl][k]);
           for (int64_t c = 0; c < dim; ++c) r[c] = static_cast<V>(ptrs[sl][c]);
+        }
+        if (part.state != nullptr) {
+          double* st = reinterpret_cast<double*>(rows[state_t][k]);
+          *st = part.state_adds ? *st + part.state_value : part.state_value;
         }
       }
     };
@@ -393,11 +462,14 @@ class TableApplyOp : public OpKernel {
     return n;
   }
 
-  int n_ = 0, m_ = 0;
+  int n_ = 0, m_ = 0, s_ = 0;
   DataType key_dtype_, value_dtype_, grad_dtype_;
   RuleSpec spec_;
   std::vector<float> slot_init_;
   std::vector<bool> decay_;
+  std::vector<int64_t> state_part_;
+  std::vector<bool> state_adds_;
+  std::vector<float> state_init_;
   std::vector<InitSpec> inits_;
 };
 
@@ -567,9 +639,12 @@ REGISTER_OP("TfdeTableApply")
     .Input("grads: N * Tgrad")
     .Input("defaults: N * Tvalue")
     .Input("hyper: Tgrad")
+    .Input("state_tables: S * resource")
+    .Input("state_values: double")
     .Output("written: N * int64")
     .Attr("N: int >= 1")
     .Attr("M: int >= 0")
+    .Attr("S: int >= 0")
     .Attr("Tkey: {int32, int64, string}")
     .Attr("Tvalue: {float, double, half, bfloat16}")
     .Attr("Tgrad: {float, double}")
@@ -584,6 +659,9 @@ REGISTER_OP("TfdeTableApply")
     .Attr("init_p0: list(float)")
     .Attr("init_p1: list(float)")
     .Attr("init_seed: list(int)")
+    .Attr("state_part: list(int) = []")
+    .Attr("state_mode: list(string) = []")
+    .Attr("state_init: list(float) = []")
     .SetIsStateful()
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
       for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Scalar());
