@@ -85,7 +85,7 @@ def test_checkpoint_bench_beside_tfra():
 
 def test_policy_bench():
     out = _bench("benchmarks.policy_bench", "--vocab", "20000", "--steps", "5", "--rounds", "1")
-    assert "frequency" in out and "timestamp" in out, out[-2000:]
+    assert "frequency" in out and "timestamp" in out and "frequency, Python path" in out, out[-2000:]
 
 
 def test_distributed_bench_quick_with_both_engines():
