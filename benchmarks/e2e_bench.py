@@ -12,6 +12,10 @@ process; TFRA in its own venv under tf-keras (the only Keras it supports),
 tfde under tf-keras and under Keras 3.
 
   python -m benchmarks.e2e_bench [--backends cuckoo,redis] [--interactions 1000000] [--epochs 2]
+                                 [--policy frequency]
+
+--policy frequency gives both sides' tables a FrequencyRestrictPolicy (as the
+TFRA users' programs do); the floor has none.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ def tfde_side(data_path: str, config_path: str) -> dict:
         temperature=cfg["temperature"],
         table_creator=creator,
         seed=cfg["seed"],
+        restrict_policy=tfde.FrequencyRestrictPolicy if cfg.get("policy") == "frequency" else None,
     )
     users, items = data["train_users"], data["train_items"]
     eval_users, eval_items = data["test_users"], data["all_items"]
@@ -154,6 +159,7 @@ def measure(
     log=print,
     redis_interactions: int = None,
     rounds: int = 1,
+    policy: str = None,
 ) -> dict:
     """{backend: {"data": ..., "tfde tf-keras": {...}, "tfde Keras 3": {...}, "TFRA tf-keras": {...}}}.
 
@@ -186,6 +192,7 @@ def measure(
                     "shuffle_buffer": 200_000,
                     "k": 100,
                     "floor": floor,
+                    "policy": None if floor else policy,
                 }
                 if backend == "redis":
                     rc = redis_config(port)
@@ -248,6 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=6379, help="redis-server for the redis backend")
     p.add_argument("--rounds", type=int, default=3, help="alternating trainings per side; medians reported")
     p.add_argument("--no-tfra", action="store_true")
+    p.add_argument("--policy", choices=["frequency"], help="a restrict policy on both sides' tables")
     p.add_argument("--side", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.side:
@@ -265,9 +273,12 @@ def main(argv=None) -> int:
         args.port,
         redis_interactions=args.redis_interactions,
         rounds=args.rounds,
+        policy=args.policy,
     )
+    if args.policy:
+        print(f"restrict policy on both sides' tables: {args.policy}")
     print("\n".join(report(results)))
-    path = write_results("e2e", {"machine": info, "results": results})
+    path = write_results("e2e", {"machine": info, "policy": args.policy, "results": results})
     print(f"\nwritten: {path.relative_to(HERE.parent)}")
     return 0
 

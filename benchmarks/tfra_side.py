@@ -99,6 +99,8 @@ class TwoTower(tf.keras.Model):
         super().__init__()
         init = tf.keras.initializers.RandomNormal(stddev=0.1, seed=cfg["seed"])
         kw = {"kv_creator": creator} if creator is not None else {}
+        if cfg.get("policy") == "frequency":
+            kw["restrict_policy"] = de.FrequencyRestrictPolicy
         self.user_embedding = de.keras.layers.Embedding(
             cfg["embedding_dim"], key_dtype=tf.string, initializer=init, name="user-embedding", devices=["/CPU:0"], **kw
         )

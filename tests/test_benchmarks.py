@@ -77,6 +77,26 @@ def test_e2e_with_redis_first_runs_its_floor():
     assert "floor: frozen dense tables" in out, out[-2000:]
 
 
+def test_e2e_with_a_frequency_policy_on_both_sides():
+    _needed("TFRA_PYTHON", "the TFRA venv's python")
+    out = _bench(
+        "benchmarks.e2e_bench",
+        "--backends",
+        "cuckoo",
+        "--interactions",
+        "10000",
+        "--epochs",
+        "1",
+        "--rounds",
+        "1",
+        "--policy",
+        "frequency",
+    )
+    assert "restrict policy on both sides' tables: frequency" in out, out[-2000:]
+    for side in ("TFRA tf-keras", "tfde tf-keras", "tfde Keras 3"):
+        assert re.search(rf"{side}\s+[\d,]+\s+0\.\d+", out), (side, out[-2000:])
+
+
 def test_checkpoint_bench_beside_tfra():
     _needed("TFRA_PYTHON", "the TFRA venv's python")
     out = _bench("benchmarks.checkpoint_bench", "--n", "20000")
