@@ -124,6 +124,35 @@ def test_inference_does_not_count():
     assert counts.tolist() == [1.0, 1.0, 0.0]
 
 
+class _WorkerZeroOfTwo:
+    """The host collectives worker 0 of a 2-worker job sees when worker 1
+    stores none of the Variable's keys (a table that a DistributedEmbedding
+    plan places whole on worker 0): totals and gathers are its own."""
+
+    rank, size = 0, 2
+
+    def total(self, n):
+        return n
+
+    def gather(self, values):
+        return values
+
+
+def test_a_worker_holding_every_key_restricts_them(monkeypatch):
+    """Both workers gave their best num_reserved keys and, all together,
+    there were no more than num_reserved of them: that happens when one
+    worker holds every key, and that worker must still drop all but its
+    best (it used to remove nothing: a table placed whole on one worker of
+    a job never shrank)."""
+    var = tfde.Variable("pol-one-of-two", dim=2, restrict_policy=tfde.FrequencyRestrictPolicy)
+    opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))
+    for t in range(6):
+        train_step(var, opt, list(range(20)) if t == 0 else list(range(t)))  # key k counted 1 + (5 - k) times
+    monkeypatch.setattr(tfde.policy.exchange, "host_collectives", lambda strategy=None: _WorkerZeroOfTwo())
+    assert int(var.restrict(3)) == 17
+    assert stored(var) == {0, 1, 2} and stored(var.slots["policy-frequency"]) == {0, 1, 2}
+
+
 def test_ttl_steps_evicts_keys_not_updated_recently():
     var = tfde.Variable("pol-ttl", dim=2, restrict_policy=tfde.TTLPolicy(ttl_steps=3))
     opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.1))

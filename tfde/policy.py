@@ -208,7 +208,10 @@ class _ScoredPolicy(RestrictPolicy):
         all_scores = view.host.gather(scores[best])
         all_hashes = view.host.gather(hashes[best].view(np.int64)).view(np.uint64)
         if len(all_scores) <= num_reserved:
-            return 0
+            # Every worker's best are the global best (at most one worker
+            # holds more than num_reserved keys: the others gave all of
+            # theirs), so each keeps its own best and drops the rest.
+            return self._remove(keys[order[num_reserved:]])
         last = np.lexsort((all_hashes, -all_scores))[num_reserved - 1] if num_reserved > 0 else None
         if last is None:
             return self._remove(keys)
