@@ -356,6 +356,24 @@ def adam_apply(tables, slots, keys, indices, grads, defaults, hyper, **overrides
     )
 
 
+def _handle(var):
+    return var._tables[0].resource_handle
+
+
+def _good_adam_inputs(rows, m, v):
+    """adam_apply's inputs for one part: Variable `rows` (dim 4) with slots
+    `m` and `v`, keys 1, 2, 3 and gradient rows for keys 1 and 3."""
+    return dict(
+        tables=[_handle(rows)],
+        slots=[_handle(m), _handle(v)],
+        keys=[tf.constant([1, 2, 3], tf.int64)],
+        indices=[tf.constant([0, 2], tf.int32)],
+        grads=[tf.ones([2, 4])],
+        defaults=[tf.zeros([0, 4])],
+        hyper=tf.constant([0.1, 0.0, 0.1, 0.1, 0.001, 1e-7]),
+    )
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
@@ -373,22 +391,13 @@ def test_the_apply_op_refuses_bad_inputs_and_writes_nothing(change, match):
     rows = tfde.Variable("rows", dim=4)
     m, v = tfde.Variable("m", dim=4), tfde.Variable("v", dim=4)
     other = tfde.Variable("other", dim=3)
-    handle = lambda var: var._tables[0].resource_handle  # noqa: E731
-    good = dict(
-        tables=[handle(rows)],
-        slots=[handle(m), handle(v)],
-        keys=[tf.constant([1, 2, 3], tf.int64)],
-        indices=[tf.constant([0, 2], tf.int32)],
-        grads=[tf.ones([2, 4])],
-        defaults=[tf.zeros([0, 4])],
-        hyper=tf.constant([0.1, 0.0, 0.1, 0.1, 0.001, 1e-7]),
-    )
+    good = _good_adam_inputs(rows, m, v)
     attrs = {k: change.pop(k) for k in list(change) if k in ("slot_init", "init_kind")}
     with pytest.raises(tf.errors.InvalidArgumentError, match=match):
         adam_apply(**{**good, **change}, **attrs)
     assert [int(t.size()) for t in (rows, m, v)] == [0, 0, 0]
     with pytest.raises(tf.errors.InvalidArgumentError, match="this apply takes int64 -> float tables of dim 4"):
-        adam_apply(**{**good, "slots": [handle(m), handle(other)]})
+        adam_apply(**{**good, "slots": [_handle(m), _handle(other)]})
     assert [int(t.size()) for t in (rows, m, v, other)] == [0, 0, 0, 0]
     written = adam_apply(**good)
     assert [int(w) for w in written] == [2] and int(rows.size()) == 2  # keys 1 and 3: the gradient rows' keys
@@ -413,20 +422,11 @@ def test_the_apply_op_refuses_bad_policy_state_and_writes_nothing(change, match)
         "float32": tfde.Variable("state32", dim=1),
         "dim2": tfde.Variable("state2", dim=2, value_dtype=tf.float64),
     }
-    handle = lambda var: var._tables[0].resource_handle  # noqa: E731
-    good = dict(
-        tables=[handle(rows)],
-        slots=[handle(m), handle(v)],
-        keys=[tf.constant([1, 2, 3], tf.int64)],
-        indices=[tf.constant([0, 2], tf.int32)],
-        grads=[tf.ones([2, 4])],
-        defaults=[tf.zeros([0, 4])],
-        hyper=tf.constant([0.1, 0.0, 0.1, 0.1, 0.001, 1e-7]),
-    )
+    good = _good_adam_inputs(rows, m, v)
     state = dict(state_part=[0], state_mode=["add"], state_init=[0.0], state_values=tf.constant([1.0], tf.float64))
-    state["state_tables"] = [handle(tables["good"])]
+    state["state_tables"] = [_handle(tables["good"])]
     if "state_table" in change:
-        change["state_tables"] = [handle(tables[change.pop("state_table")])]
+        change["state_tables"] = [_handle(tables[change.pop("state_table")])]
     with pytest.raises(tf.errors.InvalidArgumentError, match=match):
         adam_apply(**good, **{**state, **change})
     assert [int(t.size()) for t in [rows, m, v, *tables.values()]] == [0] * 6
