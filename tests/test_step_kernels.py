@@ -19,6 +19,7 @@ from test_optimizer import CASES
 
 import tfde
 from tfde import step_kernels
+from tfde.compat.tfra import dynamic_embedding as tfra_compat
 from tfde.initializers import InitSpec
 
 pytestmark = pytest.mark.keras
@@ -303,13 +304,16 @@ def test_tfde_restrict_policies_take_it_and_write_what_the_python_path_writes(mo
         assert fused["item/ttl-latest"][0].tolist() == [STEPS - 1]
 
 
-def test_a_wall_clock_timestamp_takes_it_and_stamps_the_step_s_time(monkeypatch):
+@pytest.mark.parametrize(
+    "policy",
+    [lambda: tfde.TimestampRestrictPolicy(clock="wall"), lambda: tfra_compat.TimestampRestrictPolicy()],
+    ids=["tfde", "tfde.compat.tfra"],
+)
+def test_a_wall_clock_timestamp_takes_it_and_stamps_the_step_s_time(monkeypatch, policy):
+    """Also the TFRA-compatible policy (a subclass on the wall clock)."""
     calls = Calls(monkeypatch)
     before = time.time()
-    out = train(
-        lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01)),
-        policy=lambda: tfde.TimestampRestrictPolicy(clock="wall"),
-    )
+    out = train(lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01)), policy=policy)
     after = time.time()
     assert calls.count > 0
     stamps = np.array([v[0] for v in out["item/policy-timestamp"].values()])

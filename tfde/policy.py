@@ -86,8 +86,8 @@ class RestrictPolicy(abc.ABC):
         when the fused training step (tfde/step_kernels.py) can write what
         step_values writes: each written key's value plus, or replaced by,
         fused_state_value(step); and on_apply does not depend on the keys.
-        None (the default, and for subclasses, which may change either):
-        the Variable trains on the optimizer's Python path."""
+        None (the default, and for subclasses that override step_values or
+        on_apply): the Variable trains on the optimizer's Python path."""
         return None
 
     def fused_state_value(self, step: tf.Tensor) -> tf.Tensor:
@@ -241,7 +241,10 @@ class FrequencyRestrictPolicy(_ScoredPolicy):
         return {self.scores: self.scores._find(keys, for_update=True)[0] + 1.0}
 
     def fused_state(self) -> Optional[tuple]:
-        return (self.scores, "add", 0.0) if type(self) is FrequencyRestrictPolicy else None
+        cls = type(self)  # a subclass that counts otherwise, or records more, keeps the Python path
+        if cls.step_values is FrequencyRestrictPolicy.step_values and cls.on_apply is RestrictPolicy.on_apply:
+            return self.scores, "add", 0.0
+        return None
 
     def fused_state_value(self, step: tf.Tensor) -> tf.Tensor:
         return tf.constant(1.0, tf.float64)
@@ -276,8 +279,15 @@ class TimestampRestrictPolicy(_ScoredPolicy):
         return {self.scores: tf.fill([tf.size(keys), 1], self._now(step))}
 
     def fused_state(self) -> Optional[tuple]:
+        # The time written is _now's (a subclass's own clock included);
         # TTLPolicy's on_apply records the step only.
-        return (self.scores, "set", 0.0) if type(self) in (TimestampRestrictPolicy, TTLPolicy) else None
+        cls = type(self)
+        if cls.step_values is TimestampRestrictPolicy.step_values and cls.on_apply in (
+            RestrictPolicy.on_apply,
+            TTLPolicy.on_apply,
+        ):
+            return self.scores, "set", 0.0
+        return None
 
     def fused_state_value(self, step: tf.Tensor) -> tf.Tensor:
         return self._now(step)
