@@ -42,6 +42,7 @@ from tfde.changes import ChangeLog
 from tfde.errors import ConfigError, ShapeError
 from tfde.hashing import shard_index
 from tfde.local import local_variable
+from tfde.optimizer_rules import compute_dtype
 from tfde.step_kernels import fused_lookup
 from tfde.tables.base import (
     DEFAULT_EXPORT_CHUNK_ROWS,
@@ -52,6 +53,7 @@ from tfde.tables.base import (
     check_same_count,
     int_arg,
     key_tensor,
+    widened_deltas,
 )
 from tfde.tables.cuckoo import CuckooTableCreator
 from tfde.types import DTypeLike, InitializerLike, KeysLike, RowsLike
@@ -360,17 +362,10 @@ class Variable(tf.Module):
         rounding the sum to the value dtype), float32 and float64 values
         stay as they are, numpy arrays keep their dtype, Python numbers
         become the compute type (float32, float64 for float64 Variables),
-        and other number types are cast to it (tables/base.py as_deltas)."""
+        and other number types are cast to it (tables/base.py widened_deltas)."""
         if wider_ok:
-            compute = tf.float64 if self.value_dtype == tf.float64 else tf.float32
-            if isinstance(values, np.ndarray):
-                values = tf.convert_to_tensor(values)
-            else:
-                values = tf.convert_to_tensor(values, dtype_hint=compute)
-            if values.dtype not in (self.value_dtype, tf.float32, tf.float64) and (
-                values.dtype.is_floating or values.dtype.is_integer
-            ):
-                values = tf.cast(values, compute)
+            hint = None if isinstance(values, np.ndarray) else compute_dtype(self.value_dtype)
+            values = widened_deltas(tf.convert_to_tensor(values, dtype_hint=hint), self.value_dtype)
         else:
             values = tf.convert_to_tensor(values, dtype_hint=self.value_dtype)
         if values.dtype != self.value_dtype and not (wider_ok and values.dtype in (tf.float32, tf.float64)):

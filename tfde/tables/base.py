@@ -21,6 +21,7 @@ import tensorflow as tf
 from tfde._defaults import CHUNK_ROWS, MAX_DIM
 from tfde.errors import ConfigError, ShapeError
 from tfde.initializers import InitSpec
+from tfde.optimizer_rules import compute_dtype
 
 Missing = Union[InitSpec, tf.Tensor]
 """What a missing key reads: an InitSpec (deterministic per key) or a
@@ -505,17 +506,24 @@ def as_keys(keys, key_dtype: tf.DType, table_name: str) -> tf.Tensor:
     return keys
 
 
-def as_deltas(deltas, value_dtype: tf.DType, dim: int, table_name: str) -> tf.Tensor:
-    """`deltas` for Table.accum as a [n, dim] tensor: of the table's dtype,
-    float32 or float64 as given (the sum is taken in the wider type and
-    rounded to the table's dtype once: float32 deltas for a float16 table
-    are not rounded to float16 first), any other number type cast to the
-    table's compute type (float64 for float64 tables, float32 otherwise)."""
-    deltas = tf.convert_to_tensor(deltas)
+def widened_deltas(deltas: tf.Tensor, value_dtype: tf.DType) -> tf.Tensor:
+    """The dtype accum takes `deltas` in: of the table's dtype, float32 or
+    float64 as given (the sum is taken in the wider type and rounded to the
+    table's dtype once: float32 deltas for a float16 table are not rounded
+    to float16 first), any other number type cast to the table's compute
+    type (optimizer_rules.compute_dtype); anything else as it is, for the
+    caller's dtype check to refuse."""
     if deltas.dtype not in (value_dtype, tf.float32, tf.float64) and (
         deltas.dtype.is_floating or deltas.dtype.is_integer
     ):
-        deltas = tf.cast(deltas, tf.float64 if value_dtype == tf.float64 else tf.float32)
+        return tf.cast(deltas, compute_dtype(value_dtype))
+    return deltas
+
+
+def as_deltas(deltas, value_dtype: tf.DType, dim: int, table_name: str) -> tf.Tensor:
+    """`deltas` for Table.accum as a [n, dim] tensor of the dtype
+    widened_deltas gives, or a ShapeError."""
+    deltas = widened_deltas(tf.convert_to_tensor(deltas), value_dtype)
     return as_rows(deltas, deltas.dtype if deltas.dtype.is_floating else value_dtype, dim, table_name, "deltas")
 
 
