@@ -8,9 +8,12 @@ op writes rows, slots and the policy's state), and the frequency policy once
 more on the optimizer's Python path (tfde.step_kernels.enabled = False when
 its step is traced: where every policy trained before the fused step covered
 them).  The variants alternate over rounds; each figure is the median over
-rounds of steps/s.  Target: a frequency policy costs at most 15% per step.
+rounds of steps/s (and of this process's CPU time per step).  Target: a frequency policy costs at most 15% per step.
+With --backend redis the Variables are Redis tables (one RedisTableCreator
+under a fresh tag on --port, 2 buckets; its keys are deleted afterwards).
 
   python -m benchmarks.policy_bench [--dim 64] [--batch 4096] [--steps 100] [--rounds 7]
+                                    [--backend cuckoo|redis] [--port 6379]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +38,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=1_000_000)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--backend", choices=["cuckoo", "redis"], default="cuckoo")
+    p.add_argument("--port", type=int, default=6379, help="redis-server for --backend redis")
     args = p.parse_args(argv)
 
     import tensorflow as tf
@@ -51,9 +57,57 @@ def main(argv=None) -> int:
         "timestamp": tfde.TimestampRestrictPolicy,
         "frequency, Python path": tfde.FrequencyRestrictPolicy,
     }
+    creator, tag = None, f"tfde-policy-bench-{uuid.uuid4().hex[:8]}"
+    if args.backend == "redis":
+        creator = tfde.RedisTableCreator(
+            {"redis_host_port": args.port, "model_tag_runtime": tag, "storage_slice": 2, "keys_sending_size": 1024}
+        )
+    try:
+        rate = _measure(args, tfde, step_kernels, variants, batches, creator)
+    finally:
+        if creator is not None:
+            import redis
+
+            client = redis.Redis(port=args.port)
+            stale = [k for pattern in (f"{tag}:*", f"tfde-*{tag}:*") for k in client.scan_iter(match=pattern)]
+            if stale:
+                client.delete(*stale)
+
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores; TF {info['tf']}, tfde git {info['git']}")
+    print(
+        f"training step on {args.backend}: Zipf batch of {args.batch} ids over {args.vocab:,}, dim {args.dim}, "
+        f"Adam; median of {args.rounds} alternating rounds of {args.steps} steps"
+    )
+    base = rate["no policy"][0]
+    print(f"\n{'variant':<24}{'steps/s':>10}{'cost per step':>16}{'process CPU ms/step':>22}")
+    for name, (r, ms) in rate.items():
+        print(f"{name:<24}{r:>10.1f}{(base / r - 1):>15.1%}{ms:>22.2f}")
+    out = HERE / "results" / f"policy-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "machine": info,
+                **vars(args),
+                "steps_per_s": {name: r for name, (r, _) in rate.items()},
+                "process_cpu_ms_per_step": {name: ms for name, (_, ms) in rate.items()},
+            },
+            indent=1,
+        )
+    )
+    print(f"\nwritten: {out.relative_to(HERE.parent)}")
+    return 0
+
+
+def _measure(args, tfde, step_kernels, variants, batches, creator) -> dict:
+    """{variant: (steps/s, CPU ms per step of this process: the training
+    side, without redis-server's)}, medians over alternating rounds."""
+    import tensorflow as tf
+
     steps = {}
     for name, policy in variants.items():
-        var = tfde.Variable(f"bench-{name}", dim=args.dim, restrict_policy=policy)
+        var = tfde.Variable(f"bench-{name}", dim=args.dim, restrict_policy=policy, table_creator=creator)
         opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
 
         @tf.function
@@ -69,29 +123,18 @@ def main(argv=None) -> int:
         steps[name] = step
 
     times = {name: [] for name in variants}
+    cpu = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, step in steps.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for b in batches:
                 step(b)
             times[name].append(time.perf_counter() - t)
-    rate = {name: args.steps / statistics.median(ts) for name, ts in times.items()}
-
-    info = machine()
-    print(f"machine: {info['cpu']}, {info['cores']} cores; TF {info['tf']}, tfde git {info['git']}")
-    print(
-        f"training step: Zipf batch of {args.batch} ids over {args.vocab:,}, dim {args.dim}, Adam; "
-        f"median of {args.rounds} alternating rounds of {args.steps} steps"
-    )
-    base = rate["no policy"]
-    print(f"\n{'variant':<24}{'steps/s':>10}{'cost per step':>16}")
-    for name, r in rate.items():
-        print(f"{name:<24}{r:>10.1f}{(base / r - 1):>15.1%}")
-    out = HERE / "results" / f"policy-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"machine": info, **vars(args), "steps_per_s": rate}, indent=1))
-    print(f"\nwritten: {out.relative_to(HERE.parent)}")
-    return 0
+            cpu[name].append(time.process_time() - c)
+    return {
+        name: (args.steps / statistics.median(times[name]), 1e3 * statistics.median(cpu[name]) / args.steps)
+        for name in variants
+    }
 
 
 if __name__ == "__main__":

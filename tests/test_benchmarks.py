@@ -103,8 +103,10 @@ def test_checkpoint_bench_beside_tfra():
     assert re.search(r"save s\s+[\d.]+\s+[\d.]+", out), out[-2000:]
 
 
-def test_policy_bench():
-    out = _bench("benchmarks.policy_bench", "--vocab", "20000", "--steps", "5", "--rounds", "1")
+@pytest.mark.parametrize("backend", ["cuckoo", "redis"])
+def test_policy_bench(backend):
+    out = _bench("benchmarks.policy_bench", "--vocab", "20000", "--steps", "5", "--rounds", "1", "--backend", backend)
+    assert f"training step on {backend}" in out, out[-2000:]
     assert "frequency" in out and "timestamp" in out and "frequency, Python path" in out, out[-2000:]
 
 

@@ -257,8 +257,7 @@ def test_eager_steps_take_it_too(monkeypatch, backend):
 
 def test_what_the_kernel_does_not_cover_takes_the_python_path(monkeypatch, backend):
     """Ftrl with another learning_rate_power, clipping, a restrict policy of
-    the user's own (a subclass may count otherwise), any restrict policy on
-    Redis: the Python path."""
+    the user's own (a subclass may count otherwise): the Python path."""
 
     class Twice(tfde.FrequencyRestrictPolicy):
         def step_values(self, keys, step):
@@ -270,8 +269,6 @@ def test_what_the_kernel_does_not_cover_takes_the_python_path(monkeypatch, backe
         (lambda: K.Adam(0.01, clipnorm=1.0), None),
         (adam, Twice),
     ]
-    if backend == "redis":
-        cases.append((adam, tfde.FrequencyRestrictPolicy))
     for make, policy in cases:
         calls = Calls(monkeypatch)
         out = train(lambda: tfde.DynamicEmbeddingOptimizer(make()), backend=backend, policy=policy)
@@ -290,13 +287,14 @@ POLICIES = {
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
-def test_tfde_restrict_policies_take_it_and_write_what_the_python_path_writes(monkeypatch, policy, graph):
-    """tfde's frequency, timestamp (step clock) and TTL policies on cuckoo
-    tables: the fused step writes each key's count or step with its row and
-    slots, as the Python path does (a NaN gradient's key is not counted: its
-    row is not written), and a TTL policy records the latest step."""
+def test_tfde_restrict_policies_take_it_and_write_what_the_python_path_writes(monkeypatch, policy, graph, backend):
+    """tfde's frequency, timestamp (step clock) and TTL policies, on cuckoo
+    tables and on Redis: the fused step writes each key's count or step with
+    its row and slots, as the Python path does (a NaN gradient's key is not
+    counted: its row is not written), and a TTL policy records the latest
+    step."""
     make = lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01))  # noqa: E731
-    fused, python = both_paths(monkeypatch, make, policy=POLICIES[policy], nan_at=2, graph=graph)
+    fused, python = both_paths(monkeypatch, make, policy=POLICIES[policy], nan_at=2, graph=graph, backend=backend)
     assert_same(fused, python, rtol=0, atol=0)
     state = "frequency" if policy == "frequency" else "timestamp"
     assert max(fused[f"item/policy-{state}"].values()) > 1.0  # counted over several steps (or stepped on)
@@ -309,11 +307,11 @@ def test_tfde_restrict_policies_take_it_and_write_what_the_python_path_writes(mo
     [lambda: tfde.TimestampRestrictPolicy(clock="wall"), lambda: tfra_compat.TimestampRestrictPolicy()],
     ids=["tfde", "tfde.compat.tfra"],
 )
-def test_a_wall_clock_timestamp_takes_it_and_stamps_the_step_s_time(monkeypatch, policy):
+def test_a_wall_clock_timestamp_takes_it_and_stamps_the_step_s_time(monkeypatch, policy, backend):
     """Also the TFRA-compatible policy (a subclass on the wall clock)."""
     calls = Calls(monkeypatch)
     before = time.time()
-    out = train(lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01)), policy=policy)
+    out = train(lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01)), policy=policy, backend=backend)
     after = time.time()
     assert calls.count > 0
     stamps = np.array([v[0] for v in out["item/policy-timestamp"].values()])
@@ -508,6 +506,62 @@ def test_the_redis_apply_op_refuses_bad_inputs_and_writes_nothing(change, match)
     again = {**good, "grads": nan, "step": tf.constant(8, tf.int64)}
     assert int(rows._tables[0].apply_step(**again, rule="adam", slot_init=[0.0, 0.0])) == 2
     np.testing.assert_array_equal(rows.lookup(tf.constant([2], tf.int64)).numpy(), before)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"mode": "mul"}, "state_mode must be 'add' or 'set', got 'mul'"),
+        ({"state_dim": 2}, r"the policy state table '.*' must be double\[1\], got double\[2\]"),
+        ({"state_dtype": tf.float32}, r"the policy state table '.*' must be double\[1\], got float\[1\]"),
+        ({"value": tf.constant([1.0, 2.0], tf.float64)}, r"state_value must be a scalar, got shape \[2\]"),
+        ({"corrupt": True}, "a row in .* has 12 bytes, expected 8: the table holds another dim or dtype"),
+    ],
+)
+def test_the_redis_apply_op_refuses_bad_policy_state_and_writes_nothing(change, match):
+    """TfdeRedisApply with a restrict policy's state table: a bad mode,
+    table or value is refused before anything is sent, and a stored state of
+    another size fails the step before its transactions; rows, slots and
+    state stay as they were.  Good inputs count each written key once
+    ("add") and leave a NaN gradient's key uncounted."""
+    creator = _creator("redis")
+    rows, m, v = (tfde.Variable(name, dim=4, table_creator=creator) for name in ("rows", "m", "v"))
+    shape = (change.pop("state_dim", 1), change.pop("state_dtype", tf.float64))
+    state_var = tfde.Variable("state", dim=shape[0], value_dtype=shape[1], table_creator=creator)
+    args = dict(
+        keys=tf.constant([1, 2, 3], tf.int64),
+        grads=tf.ones([3, 4]),
+        missing=InitSpec("constant", 0.5, 0.0, 0),
+        slots=[m._tables[0], v._tables[0]],
+        rule="adam",
+        slot_init=[0.0, 0.0],
+        hyper=tf.constant([0.1, 0.0, 0.1, 0.1, 0.001, 1e-7]),
+    )
+    good = (state_var._tables[0], "add", 0.0, tf.constant(1.0, tf.float64))
+    client = redis.Redis()
+    corrupt = change.pop("corrupt", False)
+    if corrupt:  # one stored count of 12 bytes
+        rows._tables[0].apply_step(state=good, step=tf.constant(5, tf.int64), **args)
+        bucket = next(b for b in state_var._tables[0]._buckets if client.hlen(b))
+        client.hset(bucket, next(iter(client.hkeys(bucket))), b"x" * 12)
+    state = (state_var._tables[0], change.pop("mode", "add"), 0.0, change.pop("value", good[3]))
+
+    def stored():
+        return {b: client.hgetall(b) for var in (rows, m, v, state_var) for b in var._tables[0]._buckets}
+
+    before = stored()
+    # The attrs are refused by TensorFlow; a stored row, by the op (tfde.ShapeError).
+    with pytest.raises((tf.errors.InvalidArgumentError, tfde.errors.ShapeError), match=match):
+        rows._tables[0].apply_step(state=state, step=tf.constant(7, tf.int64), **args)
+    assert stored() == before
+    if corrupt or shape != (1, tf.float64):
+        return
+    assert int(rows._tables[0].apply_step(state=good, step=tf.constant(7, tf.int64), **args)) == 3
+    nan = tf.constant([[1.0] * 4, [np.nan] * 4, [1.0] * 4])
+    again = {**args, "grads": nan}
+    assert int(rows._tables[0].apply_step(state=good, step=tf.constant(8, tf.int64), **again)) == 2
+    counts = state_var.lookup(tf.constant([1, 2, 3], tf.int64)).numpy()[:, 0].tolist()
+    assert counts == [2.0, 1.0, 2.0]
 
 
 def test_the_redis_apply_op_refuses_half_gradients_for_a_half_table():

@@ -19,9 +19,8 @@ path of the optimizer, which stays the reference:
 * a Variable qualifies when its tables and its slots' are in-process cuckoo
   tables, or Redis tables of one creator, one shard each,
   with no admission filter or change tracking, and no restrict policy other
-  than tfde's frequency, timestamp and TTL policies on cuckoo tables (the
-  kernel writes their state with the step: RestrictPolicy.fused_state)
-  (`qualifies`);
+  than tfde's frequency, timestamp and TTL policies (the kernels write their
+  state with the step: RestrictPolicy.fused_state) (`qualifies`);
 * an optimizer step qualifies unless it clips (clipnorm, clipvalue,
   global_clipnorm) or scales the loss (`step_qualifies`).
 
@@ -80,8 +79,8 @@ def qualifies(var) -> bool:
         return False
     if var.admission_filter is not None or var.changes is not None:
         return False
-    if var.restrict_policy is not None:
-        return var.restrict_policy.fused_state() is not None and takes_buffer_gradients(var)
+    if var.restrict_policy is not None and var.restrict_policy.fused_state() is None:
+        return False
     return takes_buffer_gradients(var) or _on_redis(var)
 
 
@@ -290,14 +289,31 @@ def _apply_redis(opt, rule, part: Part, lr, keys, step) -> tf.Tensor:
     compute = optimizer_rules.compute_dtype(var.value_dtype)
     slots = rule.slots(opt)
     table = var._train_tables()[0]
-    return table.apply_step(
+    # The restrict policy's state, written with the rows, and its on_apply
+    # after (as in `apply`).
+    iterations = tf.identity(opt.iterations)
+    policy = var.restrict_policy
+    state = None
+    if policy is not None:
+        slot, mode, init = policy.fused_state()
+        state = (slot._train_tables()[0], mode, init, policy.fused_state_value(iterations))
+    written = table.apply_step(
         keys,
         tf.cast(part.values, compute),
         var._missing(part.keys, for_update=True),
         [var.slot(name, init)._train_tables()[0] for name, init in slots],
         step,
         _hyper(opt, rule, tf.cast(lr, compute), compute),
+        state=state,
         slot_init=[float(init) for _, init in slots],
         decay=bool(part.decay),
         **_flags(opt, rule),
     )
+    if policy is None:
+        return written
+    with tf.control_dependencies([written]):
+        after = var._after_update(keys, iterations)
+    if not after:
+        return written
+    with tf.control_dependencies(after):
+        return tf.identity(written)

@@ -1312,7 +1312,11 @@ TFDE_REGISTER_REDIS_GROUP(tstring);
 // keep them for a replay); the rule of tfde/optimizer_rules.py runs row by
 // row (rules.h, the same float operations); the rows and slots are written
 // in the grouped insert's transactions, stamped and kept as a training
-// write is (a step run again applies once).  Output: the keys written.
+// write is (a step run again applies once).  With S = 1 the last of the
+// other tables is the restrict policy's state (double[1], tfde/policy.py
+// fused_state): each written key's state gets `state_value` added
+// ("add", a count) or is set to it ("set", a time), in the same
+// transactions as its row and slots.  Output: the keys written.
 template <class TK>
 class RedisApplyOp : public RedisInsertGroupOp<TK> {
   using Base = RedisInsertGroupOp<TK>;
@@ -1325,10 +1329,28 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
     OP_REQUIRES_OK(ctx, ReadRuleAttrs(ctx, &rule, &spec_, &slot_init_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
     const size_t slots = static_cast<size_t>(spec_.NumSlots());
-    OP_REQUIRES(
-        ctx, this->other_dims_.size() == slots && slot_init_.size() == slots,
-        errors::InvalidArgument("rule '", rule, "' keeps ", slots, " slot(s): expected as many slot tables and ",
-                                "slot_init values, got ", this->other_dims_.size(), " and ", slot_init_.size()));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("S", &states_));
+    std::vector<std::string> modes;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("state_mode", &modes));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("state_init", &state_init_));
+    OP_REQUIRES(ctx, states_ <= 1 && modes.size() == static_cast<size_t>(states_) && state_init_.size() == modes.size(),
+                errors::InvalidArgument("a Variable has at most one policy state table: S must be 0 or 1 with one ",
+                                        "state_mode and state_init per table, got S = ", states_, ", ", modes.size(),
+                                        " and ", state_init_.size()));
+    for (const std::string& mode : modes)
+      OP_REQUIRES(ctx, mode == "add" || mode == "set",
+                  errors::InvalidArgument("state_mode must be 'add' or 'set', got '", mode, "'"));
+    state_adds_ = !modes.empty() && modes[0] == "add";
+    OP_REQUIRES(ctx, this->other_dims_.size() == slots + static_cast<size_t>(states_) && slot_init_.size() == slots,
+                errors::InvalidArgument("rule '", rule, "' keeps ", slots, " slot(s): expected as many slot tables (",
+                                        slots + static_cast<size_t>(states_),
+                                        " with the policy state table) and slot_init values, got ",
+                                        this->other_dims_.size(), " and ", slot_init_.size()));
+    if (states_ == 1)
+      OP_REQUIRES(
+          ctx, this->other_dims_[slots] == 1 && this->other_dtypes_[slots] == ::tensorflow::DT_DOUBLE,
+          errors::InvalidArgument("the policy state table '", this->other_names_[slots], "' must be double[1], got ",
+                                  DataTypeString(this->other_dtypes_[slots]), "[", this->other_dims_[slots], "]"));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tgrad", &grad_dtype_));
     OP_REQUIRES_OK(ctx, CheckGradDtype(this->value_dtype_, grad_dtype_));
     for (size_t s = 0; s < slots; ++s)
@@ -1362,6 +1384,13 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
         ctx, hyper.dtype() == compute && hyper.dims() == 1 && hyper.dim_size(0) >= spec_.NumHyper(),
         errors::InvalidArgument("hyper must be a ", DataTypeString(compute), " vector of at least ", spec_.NumHyper(),
                                 " values, got ", DataTypeString(hyper.dtype()), hyper.shape().DebugString()));
+    ::tensorflow::OpInputList state_value;
+    OP_REQUIRES_OK(ctx, ctx->input_list("state_value", &state_value));
+    for (int i = 0; i < state_value.size(); ++i)
+      OP_REQUIRES(
+          ctx, state_value[i].dims() == 0,
+          errors::InvalidArgument("state_value must be a scalar, got shape ", state_value[i].shape().DebugString()));
+    const double state = states_ == 1 ? state_value[0].scalar<double>()() : 0.0;
     Tensor* written = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &written));
     written->scalar<int64_t>()() = 0;
@@ -1392,11 +1421,18 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
       written->scalar<int64_t>()() = static_cast<int64_t>(kept.size());
       if (kept.empty()) return;
       const typename Base::Routed keyed = Only(std::move(all), kept);
-      const size_t tables = 1 + this->other_dims_.size(), nb = this->buckets_.size();
+      // The row and slot tables (the rule's), then the policy state table.
+      const size_t tables = 1 + this->other_dims_.size() - static_cast<size_t>(states_), nb = this->buckets_.size();
       const size_t row_bytes = static_cast<size_t>(dim) * sizeof(V);
       std::vector<std::vector<char>> out(tables, std::vector<char>(kept.size() * row_bytes));
+      std::vector<double> states(static_cast<size_t>(states_) * kept.size());
       std::vector<const char*> rows(tables);
+      std::vector<size_t> bytes(tables, row_bytes);
       for (size_t t = 0; t < tables; ++t) rows[t] = out[t].data();
+      if (states_ == 1) {
+        rows.push_back(reinterpret_cast<const char*>(states.data()));
+        bytes.push_back(sizeof(double));
+      }
       Hyper<C> hy;
       const C* h = hyper.flat<C>().data();
       for (int i = 0; i < spec_.NumHyper(); ++i) hy.h[i] = h[i];
@@ -1435,10 +1471,22 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
               const C* w = &work[t * dim];
               for (int64_t c = 0; c < dim; ++c) row[c] = static_cast<V>(w[c]);
             }
+            if (states_ == 1) {  // the policy's state: a count plus the value, or the value
+              const std::string& before = old[tables * nb + b][j];
+              double value = state_init_[0];
+              if (before.size() == sizeof(double)) {
+                std::memcpy(&value, before.data(), sizeof(double));
+              } else if (!before.empty()) {
+                throw std::length_error("a row in " + this->BucketOf(tables, b) + " has " +
+                                        std::to_string(before.size()) + " bytes, expected " +
+                                        std::to_string(sizeof(double)) + ": the table holds another dim or dtype");
+              }
+              states[k] = state_adds_ ? value + state : state;
+            }
           }
         }
       };
-      this->WriteGroup(ctx, keyed, rows, std::vector<size_t>(tables, row_bytes), step, update);
+      this->WriteGroup(ctx, keyed, rows, bytes, step, update);
     };
     OP_REQUIRES_OK(ctx, WithValueType(this->value_dtype_, run));
   }
@@ -1464,6 +1512,9 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
   MissingRows missing_;
   RuleSpec spec_;
   std::vector<float> slot_init_;
+  int64_t states_ = 0;  // 1: the last other table holds the restrict policy's state
+  std::vector<float> state_init_;
+  bool state_adds_ = false;  // state_mode "add" (else "set")
   bool decay_ = false;
   DataType grad_dtype_ = ::tensorflow::DT_INVALID;
 };
@@ -1474,6 +1525,7 @@ REGISTER_OP("TfdeRedisApply")
     .Input("defaults: Tvalue")
     .Input("step: int64")
     .Input("hyper: Tgrad")
+    .Input("state_value: S * double")
     .Output("written: int64")
     .Attr("Tgrad: {float, double} = DT_FLOAT")  // the default: graphs made when grads were Tvalue (float32 tables)
     .TFDE_REDIS_ATTRS.Attr("Tothers: list({float, double, half, bfloat16}) >= 0")
@@ -1487,6 +1539,9 @@ REGISTER_OP("TfdeRedisApply")
     .Attr("centered: bool = false")
     .Attr("slot_init: list(float)")
     .Attr("decay: bool = false")
+    .Attr("S: int >= 0 = 0")  // 1: the last of the other tables is the restrict policy's state table
+    .Attr("state_mode: list(string) = []")
+    .Attr("state_init: list(float) = []")
     .Attr("init_kind: {'defaults', 'constant', 'uniform', 'normal', 'truncated_normal'} = 'defaults'")
     .Attr("init_p0: float = 0.0")
     .Attr("init_p1: float = 0.0")

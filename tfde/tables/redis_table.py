@@ -903,7 +903,7 @@ class RedisTable(Table, trackable_base.Trackable):
             )
         ]
 
-    def apply_step(self, keys, grads, missing, slots: list, step, hyper, **rule) -> tf.Tensor:
+    def apply_step(self, keys, grads, missing, slots: list, step, hyper, state=None, **rule) -> tf.Tensor:
         """The fused step's write (tfde/step_kernels.py) of a Variable whose
         rows are here and whose optimizer slots are the RedisTables `slots`
         (each shares transactions with this one): TfdeRedisApply reads the
@@ -915,16 +915,28 @@ class RedisTable(Table, trackable_base.Trackable):
         step's scalars `hyper` (the same dtype), and writes rows and slots as
         insert_with does, in its transactions; a key whose gradient is not
         finite is left as it is, and a missing key starts from `missing`
-        (an InitSpec or rows).  `rule`: the op's rule attrs (rule, momentum,
-        nesterov, amsgrad, centered, slot_init, decay).  Returns the number
-        of keys written."""
-        if not all(self._shares_transactions_with(t) for t in slots):
+        (an InitSpec or rows).  `state`: None, or the restrict policy's
+        (RedisTable float64[1], "add" or "set", its initial value, the
+        float64 scalar the step adds or sets: tfde/policy.py fused_state),
+        written in the same transactions.  `rule`: the op's rule attrs (rule,
+        momentum, nesterov, amsgrad, centered, slot_init, decay).  Returns the
+        number of keys written."""
+        others = list(slots) + ([] if state is None else [state[0]])
+        if not all(self._shares_transactions_with(t) for t in others):
             raise ConfigError(
-                f"the optimizer slots of Redis table {self.name!r} must be tables of the same Redis config "
-                "and hash tags (a Variable's slots made with Variable.slot are)"
+                f"the optimizer slots and policy state of Redis table {self.name!r} must be tables of the same "
+                "Redis config and hash tags (a Variable's slots made with Variable.slot are)"
             )
         keys = as_keys(keys, self.key_dtype, self.name)
         defaults, init = native_missing_args(missing, self)
+        states = {"state_value": []}
+        if state is not None:
+            _, mode, initial, value = state
+            states = {
+                "state_value": [tf.cast(value, tf.float64)],
+                "state_mode": [mode],
+                "state_init": [float(initial)],
+            }
         return self._native_call(
             "apply",
             lambda: self._ops.tfde_redis_apply(
@@ -934,8 +946,9 @@ class RedisTable(Table, trackable_base.Trackable):
                 _step_arg(step),
                 hyper,
                 dim=self.dim,
-                Tothers=[t.value_dtype for t in slots],
-                **_other_tables_attrs(slots),
+                Tothers=[t.value_dtype for t in others],
+                **_other_tables_attrs(others),
+                **states,
                 **rule,
                 **init,
                 **self._attrs,
