@@ -278,6 +278,37 @@ def test_what_the_kernel_does_not_cover_takes_the_python_path(monkeypatch, backe
             assert all(c % 2 == 0 for c in counts) and max(counts) > STEPS, counts  # 2 a step, not 1
 
 
+class _Float32Counts(tfde.FrequencyRestrictPolicy):
+    """Counts kept in a float32 slot: the kernels write float64 ones."""
+
+    def bind(self, variable):
+        tfde.policy.RestrictPolicy.bind(self, variable)
+        self.scores = variable.slot("policy-frequency", 0.0, dim=1, value_dtype=tf.float32)
+
+
+class _CountsFromFive(tfde.FrequencyRestrictPolicy):
+    """Counts that start at 5 for a key never counted."""
+
+    def bind(self, variable):
+        tfde.policy.RestrictPolicy.bind(self, variable)
+        self.scores = variable.slot("policy-frequency", 5.0, dim=1, value_dtype=tf.float64)
+
+
+def test_a_policy_binding_other_scores_is_written_as_its_slot_says(monkeypatch, backend):
+    """A subclass that binds its own score slot: float32 counts take the
+    Python path (the kernels write float64 ones; they used to fail the
+    step), counts starting at 5 take the fused step from 5 (they used to
+    start from 0)."""
+    calls = Calls(monkeypatch)
+    out = train(lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01)), backend=backend, policy=_Float32Counts)
+    assert calls.count == 0
+    assert max(c[0] for c in out["item/policy-frequency"].values()) > 1.0
+    make = lambda: tfde.DynamicEmbeddingOptimizer(K.Adam(0.01))  # noqa: E731
+    fused, python = both_paths(monkeypatch, make, policy=_CountsFromFive, backend=backend)
+    assert_same(fused, python, rtol=0, atol=0)
+    assert min(c[0] for c in fused["item/policy-frequency"].values()) >= 6.0
+
+
 POLICIES = {
     "frequency": tfde.FrequencyRestrictPolicy,
     "timestamp": tfde.TimestampRestrictPolicy,

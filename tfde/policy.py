@@ -48,6 +48,7 @@ from tfde import exchange
 from tfde._defaults import CHUNK_ROWS
 from tfde.errors import ConfigError
 from tfde.hashing import stable_hash
+from tfde.initializers import InitSpec
 
 
 class RestrictPolicy(abc.ABC):
@@ -85,7 +86,8 @@ class RestrictPolicy(abc.ABC):
         """(state slot Variable, "add" or "set", the slot's initial value)
         when the fused training step (tfde/step_kernels.py) can write what
         step_values writes: each written key's value plus, or replaced by,
-        fused_state_value(step); and on_apply does not depend on the keys.
+        fused_state_value(step) (a float64 dim-1 slot whose missing keys
+        read a constant); and on_apply does not depend on the keys.
         None (the default, and for subclasses that override step_values or
         on_apply): the Variable trains on the optimizer's Python path."""
         return None
@@ -158,6 +160,17 @@ class _ScoredPolicy(RestrictPolicy):
     def bind(self, variable: Any) -> None:
         super().bind(variable)
         self.scores = variable.slot(f"policy-{self.state}", 0.0, dim=1, value_dtype=tf.float64)
+
+    def _fused(self, mode: str) -> Optional[tuple]:
+        """fused_state's answer for `mode` when the scores are what the
+        kernels write (float64, dim 1, a constant initial value; a subclass
+        may bind other scores), else None."""
+        scores, init = self.scores, getattr(self.scores, "initializer", None)
+        if scores.value_dtype != tf.float64 or scores.dim != 1:
+            return None
+        if not (isinstance(init, InitSpec) and init.kind == "constant"):
+            return None
+        return scores, mode, float(init.p0)
 
     def _stored_keys(self):
         for keys, _ in self.variable.export(CHUNK_ROWS):
@@ -243,7 +256,7 @@ class FrequencyRestrictPolicy(_ScoredPolicy):
     def fused_state(self) -> Optional[tuple]:
         cls = type(self)  # a subclass that counts otherwise, or records more, keeps the Python path
         if cls.step_values is FrequencyRestrictPolicy.step_values and cls.on_apply is RestrictPolicy.on_apply:
-            return self.scores, "add", 0.0
+            return self._fused("add")
         return None
 
     def fused_state_value(self, step: tf.Tensor) -> tf.Tensor:
@@ -286,7 +299,7 @@ class TimestampRestrictPolicy(_ScoredPolicy):
             RestrictPolicy.on_apply,
             TTLPolicy.on_apply,
         ):
-            return self.scores, "set", 0.0
+            return self._fused("set")
         return None
 
     def fused_state_value(self, step: tf.Tensor) -> tf.Tensor:
