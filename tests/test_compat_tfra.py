@@ -516,6 +516,23 @@ def test_synchronous_false_is_refused():
         de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(), clipnorm=1.0)
 
 
+def test_tfras_four_argument_accum_names_the_tfde_call():
+    """TFRA's var.accum(keys, old_values, new_values, exists) was a bare
+    TypeError; it is refused with the call to write, and writes nothing."""
+    var = de.get_variable("accum-tfra-form", dim=2)
+    keys = tf.constant([1, 2], tf.int64)
+    old, new = tf.zeros([2, 2]), tf.ones([2, 2])
+    with pytest.raises(
+        tfde.ConfigError,
+        match=r"TFRA's accum\(keys, old_values, new_values, exists\).*"
+        r"call accum\(keys, new_values - old_values\)",
+    ):
+        var.accum(keys, old, new, tf.constant([True, False]))
+    assert int(var.size()) == 0
+    var.accum(keys, new - old)  # what the message says to write
+    np.testing.assert_array_equal(var.lookup(keys).numpy(), np.ones([2, 2], np.float32))
+
+
 @pytest.mark.keras
 @pytest.mark.parametrize(
     "kwargs, message",

@@ -453,13 +453,23 @@ class Variable(tf.Module):
         with tf.control_dependencies(self._drop_local(flat)):
             return tf.group(self._for_each_shard(flat, rows, lambda t, k, r: t.insert(k, r)))
 
-    def accum(self, keys: KeysLike, deltas: RowsLike) -> Optional[tf.Operation]:
+    def accum(self, keys: KeysLike, deltas: RowsLike, *tfra_form: Any) -> Optional[tf.Operation]:
         """Adds `deltas` to the rows of `keys`; a key not stored yet starts from
         its initial row.  Duplicated keys add up.  Deltas of a float16 or
         bfloat16 Variable are added in float32 (float64 ones in float64) and
         each sum is rounded to the value dtype once (a float64 sum through
         float32, as TensorFlow's cast does); give them as float32 to keep
-        them unrounded: deltas of the value dtype were rounded already."""
+        them unrounded: deltas of the value dtype were rounded already.
+        TFRA's form accum(keys, old_values, new_values, exists) is refused
+        with the tfde call to write instead (`tfra_form`)."""
+        if tfra_form:
+            raise ConfigError(
+                f"Variable.accum takes (keys, deltas); {self.name!r} got {2 + len(tfra_form)} arguments, as TFRA's "
+                "accum(keys, old_values, new_values, exists). tfde adds deltas atomically per key on every backend, "
+                "a missing key starting from its initial row: call accum(keys, new_values - old_values), which stores "
+                "what TFRA's form stores when old_values are the rows a lookup returned (for a missing key, its "
+                "initial row). Nothing was written"
+            )
         flat = self._flat_keys(keys)
         rows = self._counted(flat, self._rows_arg(deltas, "deltas", wider_ok=True))
 
