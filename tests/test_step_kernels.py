@@ -441,7 +441,8 @@ def test_the_apply_op_refuses_bad_inputs_and_writes_nothing(change, match):
     [
         ({"state_part": [1]}, r"state_part\[0\] = 1 must name a part \(0..0\)"),
         ({"state_mode": ["max"]}, r"state_mode\[0\] must be 'add' or 'set', got 'max'"),
-        ({"state_init": []}, "state_part, state_mode and state_init need one entry per state table"),
+        ({"state_init": []}, r"state_mode and state_init need one entry per state table \(S = 1\), got 1 and 0"),
+        ({"state_part": []}, r"state_part needs one entry per state table \(S = 1\), got 0"),
         ({"state_values": tf.ones([2], tf.float64)}, "state_values must be a vector of 1 values"),
         ({"state_table": "float32"}, "a policy state table holds int64 -> float64 rows of dim 1"),
         ({"state_table": "dim2"}, "a policy state table holds int64 -> float64 rows of dim 1"),
@@ -542,7 +543,7 @@ def test_the_redis_apply_op_refuses_bad_inputs_and_writes_nothing(change, match)
 @pytest.mark.parametrize(
     "change,match",
     [
-        ({"mode": "mul"}, "state_mode must be 'add' or 'set', got 'mul'"),
+        ({"mode": "mul"}, r"state_mode\[0\] must be 'add' or 'set', got 'mul'"),
         ({"state_dim": 2}, r"the policy state table '.*' must be double\[1\], got double\[2\]"),
         ({"state_dtype": tf.float32}, r"the policy state table '.*' must be double\[1\], got float\[1\]"),
         ({"value": tf.constant([1.0, 2.0], tf.float64)}, r"state_value must be a scalar, got shape \[2\]"),

@@ -116,6 +116,28 @@ inline ::absl::Status ReadRuleAttrs(OpKernelConstruction* ctx, std::string* rule
   return ctx->GetAttr("slot_init", slot_init);
 }
 
+// Reads the policy-state attrs shared by the fused step's apply ops: `S`
+// state tables, each with a `state_mode` ("add": the written key's state
+// plus the step's value, a count; "set": the value, a time) and a
+// `state_init` (an absent key's state).  `adds` gets one flag per table.
+inline ::absl::Status ReadStateAttrs(OpKernelConstruction* ctx, int* count, std::vector<bool>* adds,
+                                     std::vector<float>* init) {
+  std::vector<std::string> modes;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("S", count));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("state_mode", &modes));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("state_init", init));
+  if (modes.size() != static_cast<size_t>(*count) || init->size() != modes.size())
+    return errors::InvalidArgument("state_mode and state_init need one entry per state table (S = ", *count, "), got ",
+                                   modes.size(), " and ", init->size());
+  adds->clear();
+  for (size_t i = 0; i < modes.size(); ++i) {
+    if (modes[i] != "add" && modes[i] != "set")
+      return errors::InvalidArgument("state_mode[", i, "] must be 'add' or 'set', got '", modes[i], "'");
+    adds->push_back(modes[i] == "add");
+  }
+  return ::absl::OkStatus();
+}
+
 // Source of a missing key's row: the `defaults` tensor ([n, dim] or [1, dim])
 // or the init spec.  Validated once; Fill is then safe for any i < n.
 struct MissingRows {

@@ -177,24 +177,17 @@ class TableApplyOp : public OpKernel {
     OP_REQUIRES(ctx, static_cast<int>(slot_init_.size()) == slots,
                 errors::InvalidArgument("slot_init needs one value per slot (", slots, "), got ", slot_init_.size()));
     OP_REQUIRES_OK(ctx, CheckGradDtype(value_dtype_, grad_dtype_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("S", &s_));
-    std::vector<std::string> modes;
+    OP_REQUIRES_OK(ctx, ReadStateAttrs(ctx, &s_, &state_adds_, &state_init_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("state_part", &state_part_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("state_mode", &modes));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("state_init", &state_init_));
-    const size_t states = static_cast<size_t>(s_);
-    OP_REQUIRES(ctx, state_part_.size() == states && modes.size() == states && state_init_.size() == states,
-                errors::InvalidArgument("state_part, state_mode and state_init need one entry per state table (", s_,
-                                        "), got ", state_part_.size(), ", ", modes.size(), ", ", state_init_.size()));
+    OP_REQUIRES(
+        ctx, state_part_.size() == static_cast<size_t>(s_),
+        errors::InvalidArgument("state_part needs one entry per state table (S = ", s_, "), got ", state_part_.size()));
     std::vector<bool> has_state(n, false);
-    for (size_t i = 0; i < states; ++i) {
+    for (int i = 0; i < s_; ++i) {
       OP_REQUIRES(ctx, state_part_[i] >= 0 && state_part_[i] < n_ && !has_state[state_part_[i]],
                   errors::InvalidArgument("state_part[", i, "] = ", state_part_[i], " must name a part (0..", n_ - 1,
                                           ") that no other state table names"));
       has_state[state_part_[i]] = true;
-      OP_REQUIRES(ctx, modes[i] == "add" || modes[i] == "set",
-                  errors::InvalidArgument("state_mode[", i, "] must be 'add' or 'set', got '", modes[i], "'"));
-      state_adds_.push_back(modes[i] == "add");
     }
     inits_.resize(n);
     for (size_t i = 0; i < n; ++i) {

@@ -1329,18 +1329,12 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
     OP_REQUIRES_OK(ctx, ReadRuleAttrs(ctx, &rule, &spec_, &slot_init_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
     const size_t slots = static_cast<size_t>(spec_.NumSlots());
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("S", &states_));
-    std::vector<std::string> modes;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("state_mode", &modes));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("state_init", &state_init_));
-    OP_REQUIRES(ctx, states_ <= 1 && modes.size() == static_cast<size_t>(states_) && state_init_.size() == modes.size(),
-                errors::InvalidArgument("a Variable has at most one policy state table: S must be 0 or 1 with one ",
-                                        "state_mode and state_init per table, got S = ", states_, ", ", modes.size(),
-                                        " and ", state_init_.size()));
-    for (const std::string& mode : modes)
-      OP_REQUIRES(ctx, mode == "add" || mode == "set",
-                  errors::InvalidArgument("state_mode must be 'add' or 'set', got '", mode, "'"));
-    state_adds_ = !modes.empty() && modes[0] == "add";
+    std::vector<bool> adds;
+    OP_REQUIRES_OK(ctx, ReadStateAttrs(ctx, &states_, &adds, &state_init_));
+    OP_REQUIRES(
+        ctx, states_ <= 1,
+        errors::InvalidArgument("a Variable has at most one policy state table: S must be 0 or 1, got ", states_));
+    state_adds_ = !adds.empty() && adds[0];
     OP_REQUIRES(ctx, this->other_dims_.size() == slots + static_cast<size_t>(states_) && slot_init_.size() == slots,
                 errors::InvalidArgument("rule '", rule, "' keeps ", slots, " slot(s): expected as many slot tables (",
                                         slots + static_cast<size_t>(states_),
@@ -1437,6 +1431,13 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
       const C* h = hyper.flat<C>().data();
       for (int i = 0; i < spec_.NumHyper(); ++i) hy.h[i] = h[i];
       if (!decay_) hy.h[1] = C(0);
+      // A stored row of table t (bucket b) has the size its dim and dtype give.
+      auto expect_size = [&](const std::string& stored, size_t bytes, size_t t, size_t b) {
+        if (stored.size() != bytes)
+          throw std::length_error("a row in " + this->BucketOf(t, b) + " has " + std::to_string(stored.size()) +
+                                  " bytes, expected " + std::to_string(bytes) +
+                                  ": the table holds another dim or dtype");
+      };
       auto update = [&](const std::vector<std::vector<std::string>>& old) {
         // Key k's row and slots in the compute type (table t at t * dim).
         std::vector<C> work(tables * static_cast<size_t>(dim));
@@ -1455,11 +1456,8 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
                 } else {
                   std::fill(row, row + dim, static_cast<V>(slot_init_[t - 1]));
                 }
-              } else if (before.size() != row_bytes) {
-                throw std::length_error("a row in " + this->BucketOf(t, b) + " has " + std::to_string(before.size()) +
-                                        " bytes, expected " + std::to_string(row_bytes) +
-                                        ": the table holds another dim or dtype");
               } else {
+                expect_size(before, row_bytes, t, b);
                 std::memcpy(row, before.data(), row_bytes);
               }
               C* w = &work[t * dim];
@@ -1474,12 +1472,9 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
             if (states_ == 1) {  // the policy's state: a count plus the value, or the value
               const std::string& before = old[tables * nb + b][j];
               double value = state_init_[0];
-              if (before.size() == sizeof(double)) {
+              if (!before.empty()) {
+                expect_size(before, sizeof(double), tables, b);
                 std::memcpy(&value, before.data(), sizeof(double));
-              } else if (!before.empty()) {
-                throw std::length_error("a row in " + this->BucketOf(tables, b) + " has " +
-                                        std::to_string(before.size()) + " bytes, expected " +
-                                        std::to_string(sizeof(double)) + ": the table holds another dim or dtype");
               }
               states[k] = state_adds_ ? value + state : state;
             }
@@ -1512,7 +1507,7 @@ class RedisApplyOp : public RedisInsertGroupOp<TK> {
   MissingRows missing_;
   RuleSpec spec_;
   std::vector<float> slot_init_;
-  int64_t states_ = 0;  // 1: the last other table holds the restrict policy's state
+  int states_ = 0;  // 1: the last other table holds the restrict policy's state
   std::vector<float> state_init_;
   bool state_adds_ = false;  // state_mode "add" (else "set")
   bool decay_ = false;
