@@ -268,9 +268,15 @@ def main(argv=None) -> int:
 def write_results(kind: str, payload: dict) -> Path:
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    path = results / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(payload, indent=1, default=str))
-    return path
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    while True:  # two runs of one kind may end in the same second: neither overwrites the other
+        path = results / (f"{kind}-{stamp}.json" if n == 1 else f"{kind}-{stamp}-{n}.json")
+        try:
+            with path.open("x") as f:
+                f.write(json.dumps(payload, indent=1, default=str))
+            return path
+        except FileExistsError:
+            n += 1
 
 
 if __name__ == "__main__":

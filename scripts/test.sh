@@ -69,7 +69,7 @@ export TF_CPP_MIN_LOG_LEVEL=2
 # one pytest worker keeps about one core busy.  The tests that start
 # processes (worker jobs, redis-server instances, compilers: marked "slow" by
 # tests/conftest.py) already use every core, and some time their processes:
-# they run one at a time.
+# they run one at a time, except the benchmark commands' quick runs (below).
 JOBS=$(nproc)
 [ "$JOBS" -gt 4 ] && JOBS=4
 if [ "$FAST" = 1 ]; then
@@ -119,17 +119,22 @@ export TFRA_PYTHON="$TFRA_VENV/bin/python"
 "$HVENV/bin/tfde" build
 
 status=0
-# One run in two passes: `in_two_passes "MARKER EXPRESSION" ARGS...` runs the
+# One run in three passes: `in_passes "MARKER EXPRESSION" ARGS...` runs the
 # selected tests that start no process JOBS at once, then those that start
-# processes one at a time.  A pass that selects nothing (pytest's exit 5, e.g.
-# for a path of fast tests only) is no failure; both selecting nothing is.
-in_two_passes() {
+# processes one at a time, then the benchmark commands' quick runs
+# (tests/test_benchmarks.py, marked "bench") JOBS at once: they time their
+# processes but check no figure, and one of them keeps only a core and a bit
+# busy.  A pass that selects nothing (pytest's exit 5, e.g. for a path of fast
+# tests only) is no failure; all selecting nothing is.
+in_passes() {
   local select=$1 empty=0 rc
   shift
-  for pass in "not slow" slow; do
-    local workers=()
-    [ "$pass" = "not slow" ] && workers=(-n "$JOBS")
-    echo "--- tests that $([ "$pass" = slow ] && echo "start processes, one at a time" || echo "start no process, $JOBS at once")"
+  for pass in "not slow" "slow and not bench" "slow and bench"; do
+    local workers=() what="start processes, one at a time"
+    [ "$pass" = "slow and not bench" ] || workers=(-n "$JOBS")
+    [ "$pass" = "not slow" ] && what="start no process, $JOBS at once"
+    [ "$pass" = "slow and bench" ] && what="run the benchmark commands, $JOBS at once"
+    echo "--- tests that $what"
     rc=0
     "$@" -m "$select${select:+ and }$pass" "${workers[@]}" || rc=$?
     if [ "$rc" = 5 ]; then
@@ -138,16 +143,16 @@ in_two_passes() {
       status=$rc
     fi
   done
-  if [ "$empty" = 2 ]; then
+  if [ "$empty" = 3 ]; then
     echo "no test selected" >&2
     status=5
   fi
 }
 PYTEST=(-m pytest -q -p no:cacheprovider --durations=15 --ignore=tests/horovod)
 echo "=== Keras 3 (TF 2.21)"
-in_two_passes "" "$VENV/bin/python" "${PYTEST[@]}" "$@"
+in_passes "" "$VENV/bin/python" "${PYTEST[@]}" "$@"
 echo "=== tf-keras (TF_USE_LEGACY_KERAS=1): Keras-facing tests"
-in_two_passes "keras" env TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" "${PYTEST[@]}" "$@"
+in_passes "keras" env TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" "${PYTEST[@]}" "$@"
 echo "=== Horovod (TF 2.16.2, tf-keras, horovodrun on loopback)"
 PATH="$HVENV/bin:$PATH" TF_USE_LEGACY_KERAS=1 "$HVENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/horovod "$@" \
   || status=$?
