@@ -60,14 +60,19 @@ def _names(code) -> set:
 
 
 def _called(obj) -> list:
-    """The functions and classes of the tests directory that obj names."""
+    """The functions and classes of the tests directory that obj names:
+    globals of its module (start_job) and attributes of the tests
+    directory's modules it imports (redis_servers.FailoverGroup)."""
     if inspect.isclass(obj):
         return [f for f in vars(obj).values() if inspect.isfunction(f)]
     code, module = getattr(obj, "__code__", None), inspect.getmodule(obj)
     if code is None or module is None:
         return []
-    helpers = (getattr(module, name, None) for name in _names(code))
-    return [h for h in helpers if (inspect.isfunction(h) or inspect.isclass(h)) and _of_the_tests(h)]
+    names = _names(code)
+    found = [getattr(module, name, None) for name in names]
+    for helper_module in [m for m in found if inspect.ismodule(m) and _of_the_tests(m)]:
+        found += [getattr(helper_module, name, None) for name in names]
+    return [h for h in found if (inspect.isfunction(h) or inspect.isclass(h)) and _of_the_tests(h)]
 
 
 def _starts_a_process(item) -> bool:

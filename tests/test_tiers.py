@@ -31,3 +31,19 @@ def test_worker_jobs_started_through_helpers_are_left_out():
     # check_every_k_pushes -> run_job; a nested job() calling start_job.
     fast = _fast_tier("tests/test_distributed.py", "tests/test_semi_sync.py")
     assert fast == {"tests/test_distributed.py::test_mirrored_strategy_on_one_cpu_trains_like_no_strategy"}, fast
+
+
+def test_servers_started_through_a_helper_modules_class_are_left_out():
+    # redis_servers.FailoverGroup() -> FailoverGroup.__init__ -> _server ->
+    # subprocess.Popen: named as an attribute of a module of the tests
+    # directory, not as a global of the test's own module.
+    fast = _fast_tier("tests/test_redis.py")
+    starting = {
+        "test_training_rides_out_a_sentinel_failover",
+        "test_training_rides_out_a_cluster_failover",
+        "test_training_rides_out_a_slot_migration_with_a_long_ask_window",
+        "test_read_access_slave_reads_a_replica",
+        "test_a_training_step_computes_its_writes_from_the_master",
+    }
+    assert not {t.split("::")[1] for t in fast} & starting
+    assert "tests/test_redis.py::test_cluster_mode_against_a_standalone_server" in fast  # one on 6379 stays
