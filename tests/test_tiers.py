@@ -47,3 +47,19 @@ def test_servers_started_through_a_helper_modules_class_are_left_out():
     }
     assert not {t.split("::")[1] for t in fast} & starting
     assert "tests/test_redis.py::test_cluster_mode_against_a_standalone_server" in fast  # one on 6379 stays
+
+
+def test_every_test_run_alone_starts_a_process():
+    # "alone" (a test that times its processes or their faults: scripts/test.sh
+    # runs it with nothing beside it) on a test that starts nothing means a
+    # misfiled test, or a helper the slow rule above no longer follows.
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-m", "alone and not slow"]
+        + ["--ignore=tests/horovod"],  # collected in the Horovod environment only
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        timeout=300,
+    )
+    assert proc.returncode == 5, proc.stdout[-3000:] + proc.stderr[-3000:]  # 5: none selected
