@@ -64,10 +64,12 @@ fi
 
 export TFDE_CACHE_DIR=${TFDE_CACHE_DIR:-$HOME/.cache/tfde}
 export TF_CPP_MIN_LOG_LEVEL=2
-# Tests run JOBS at once (pytest-xdist), those marked "alone" excepted
-# (in_passes, below): one pytest worker keeps about one core busy, also with
-# a test that starts a redis-server, a compiler or one fresh Python (marked
-# "slow" by tests/conftest.py: the fast tier leaves them out).
+# The tests that start no process (in-process TF, Redis on 6379 under their
+# own tags, their own temporary directories) run JOBS at once (pytest-xdist):
+# one pytest worker keeps about one core busy.  The tests that start
+# processes (worker jobs, redis-server instances, compilers: marked "slow" by
+# tests/conftest.py) already use every core, and some time their processes:
+# they run one at a time, except the benchmark commands' quick runs (below).
 JOBS=$(nproc)
 [ "$JOBS" -gt 4 ] && JOBS=4
 if [ "$FAST" = 1 ]; then
@@ -117,23 +119,22 @@ export TFRA_PYTHON="$TFRA_VENV/bin/python"
 "$HVENV/bin/tfde" build
 
 status=0
-# One run in two passes: `in_passes "MARKER EXPRESSION" ARGS...` runs the
-# selected tests JOBS at once, then those marked "alone" one at a time:
-# multi-worker jobs (a 2-worker job beside its 1-worker reference already
-# fills every core; tests/conftest.py marks them) and tests that time their
-# processes or their faults (a killed worker, a failover, a retry deadline).
-# A pass that selects nothing (pytest's exit 5, e.g. for a path without
-# "alone" tests) is no failure; both selecting nothing is.
+# One run in three passes: `in_passes "MARKER EXPRESSION" ARGS...` runs the
+# selected tests that start no process JOBS at once, then those that start
+# processes one at a time, then the benchmark commands' quick runs
+# (tests/test_benchmarks.py, marked "bench") JOBS at once: they time their
+# processes but check no figure, and one of them keeps only a core and a bit
+# busy.  A pass that selects nothing (pytest's exit 5, e.g. for a path of fast
+# tests only) is no failure; all selecting nothing is.
 in_passes() {
   local select=$1 empty=0 rc
   shift
-  for pass in "not alone" "alone"; do
-    local workers=(-n "$JOBS") what="$JOBS at once"
-    if [ "$pass" = "alone" ]; then
-      workers=()
-      what="marked alone (worker jobs, timed faults), one at a time"
-    fi
-    echo "--- tests $what"
+  for pass in "not slow" "slow and not bench" "slow and bench"; do
+    local workers=() what="start processes, one at a time"
+    [ "$pass" = "slow and not bench" ] || workers=(-n "$JOBS")
+    [ "$pass" = "not slow" ] && what="start no process, $JOBS at once"
+    [ "$pass" = "slow and bench" ] && what="run the benchmark commands, $JOBS at once"
+    echo "--- tests that $what"
     rc=0
     "$@" -m "$select${select:+ and }$pass" "${workers[@]}" || rc=$?
     if [ "$rc" = 5 ]; then
@@ -142,7 +143,7 @@ in_passes() {
       status=$rc
     fi
   done
-  if [ "$empty" = 2 ]; then
+  if [ "$empty" = 3 ]; then
     echo "no test selected" >&2
     status=5
   fi
@@ -153,8 +154,6 @@ in_passes "" "$VENV/bin/python" "${PYTEST[@]}" "$@"
 echo "=== tf-keras (TF_USE_LEGACY_KERAS=1): Keras-facing tests"
 in_passes "keras" env TF_USE_LEGACY_KERAS=1 "$VENV/bin/python" "${PYTEST[@]}" "$@"
 echo "=== Horovod (TF 2.16.2, tf-keras, horovodrun on loopback)"
-# One at a time: nearly all of them are 2-worker horovodrun jobs beside
-# their 1-worker reference (two at once took 586 s against about 470).
 PATH="$HVENV/bin:$PATH" TF_USE_LEGACY_KERAS=1 "$HVENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 tests/horovod "$@" \
   || status=$?
 exit $status

@@ -32,12 +32,6 @@ _STARTS_A_PROCESS = re.compile(
     r"\bsubprocess\b|\bPopen\b|\bsys\.executable\b|\brun_job\(|horovodrun|"
     r"\bstandalone\(|\bRestartable\(|\bcluster\(\)|\bsentinel\(\)|\b_server\("
 )
-# Of those, the tests that start multi-worker jobs (a 2-worker job beside its
-# 1-worker reference: several TensorFlow processes that already keep every
-# core busy) are marked "alone" too, like the tests that time their
-# processes or faults (marked by hand): scripts/test.sh runs them one at a
-# time, and the rest JOBS at once.
-_STARTS_WORKER_JOBS = re.compile(r"\bstart_job\(|\btrain_workers\(")
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -81,8 +75,7 @@ def _called(obj) -> list:
     return [h for h in found if (inspect.isfunction(h) or inspect.isclass(h)) and _of_the_tests(h)]
 
 
-def _reaches(item, pattern) -> bool:
-    """Whether the test's code, its fixtures' or a helper's they call match pattern."""
+def _starts_a_process(item) -> bool:
     fn = getattr(item, "function", None)
     if fn is None:
         return False
@@ -93,7 +86,7 @@ def _reaches(item, pattern) -> bool:
         if f in seen:
             continue
         seen.add(f)
-        if pattern.search(_source(f)):
+        if _STARTS_A_PROCESS.search(_source(f)):
             return True
         todo += _called(f)
     return False
@@ -101,10 +94,8 @@ def _reaches(item, pattern) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _reaches(item, _STARTS_A_PROCESS):
+        if _starts_a_process(item):
             item.add_marker(pytest.mark.slow)
-            if _reaches(item, _STARTS_WORKER_JOBS):
-                item.add_marker(pytest.mark.alone)
 
 
 def pytest_report_header(config):

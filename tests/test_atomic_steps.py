@@ -289,7 +289,6 @@ def _variable(creator):
     )
 
 
-@pytest.mark.alone
 def test_server_killed_mid_step_leaves_every_key_whole_and_the_step_retries_once(tag):
     """A custom tf.function Adam step; at step 3 the server is killed just
     before the first write of Adam's m slot reaches it, and comes back (from

@@ -54,7 +54,6 @@ def test_two_workers_equal_one_worker_on_the_combined_batch(tmp_path, tag, engin
         check_sharded(tmp_path, 2)
 
 
-@pytest.mark.alone
 def test_a_killed_worker_makes_the_others_fail_not_hang(tmp_path, tag):
     """Worker 1 dies (SIGKILL) after step 3 of a long job; worker 0 must stop
     with TF's error naming the unhealthy task well within the collective

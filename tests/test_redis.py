@@ -244,7 +244,6 @@ def _reference_rows(steps):
     return var.lookup(tf.range(40, dtype=tf.int64)).numpy()
 
 
-@pytest.mark.alone
 def test_server_killed_and_restarted_during_training():
     server = redis_servers.Restartable()
     var = tfde.Variable(
@@ -283,7 +282,6 @@ def test_dropped_connections_are_retried(tag):
     )
 
 
-@pytest.mark.alone
 def test_server_gone_for_good_names_server_and_operation():
     server = redis_servers.Restartable()
     var = tfde.Variable(
@@ -602,7 +600,6 @@ def test_a_training_step_computes_its_writes_from_the_master():
 # ------------------------------------------------------------ failover
 
 
-@pytest.mark.alone
 def test_training_rides_out_a_sentinel_failover():
     """kill -9 of the master mid-training: the steps after it wait (retries
     within redis_retry_deadline_ms, finding the master through the sentinel
@@ -635,7 +632,6 @@ def test_training_rides_out_a_sentinel_failover():
     )
 
 
-@pytest.mark.alone
 def test_training_rides_out_a_cluster_failover():
     """kill -9 of the master holding a table's bucket mid-training: the
     cluster promotes its replica (cluster-node-timeout 1000 ms), the client
@@ -665,7 +661,6 @@ def test_training_rides_out_a_cluster_failover():
     )
 
 
-@pytest.mark.alone
 def test_a_dead_master_with_no_replica_is_named_by_every_error():
     """A sentinel's master dies and has no replica to promote: size, lookups
     and opening a table fail naming the address the sentinels last gave
@@ -707,7 +702,6 @@ def test_a_dead_master_with_no_replica_is_named_by_every_error():
 # ------------------------------------------------------------ durability
 
 
-@pytest.mark.alone
 def test_write_replicas_makes_every_write_wait_for_the_replicas():
     """With redis_write_replicas 1 each write ends with WAIT 1: after every
     training step the replica already holds what the master holds (no wait
@@ -756,7 +750,6 @@ def test_write_replicas_makes_every_write_wait_for_the_replicas():
     assert secondary.hget(var.tables[0]._buckets[0], field) == np.full(4, 3.0, np.float32).tobytes()
 
 
-@pytest.mark.alone
 def test_lost_acknowledged_writes_are_noticed_on_the_next_write(tmp_path):
     """The server goes back to an older state under a running job (as when
     a failover promotes a replica that lagged, or a restart loads an older
@@ -870,7 +863,6 @@ def _slot_values(var):
     return [var.lookup(keys).numpy()] + [var.slots[name].lookup(keys).numpy() for name in sorted(var.slots)]
 
 
-@pytest.mark.alone
 @pytest.mark.parametrize("moves", ["all-keys-at-once", "one-key-at-a-time"])
 def test_training_rides_out_a_slot_migration_with_a_long_ask_window(moves):
     """A bucket's slot migrates to another master during training, and the

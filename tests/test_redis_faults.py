@@ -221,7 +221,6 @@ def test_accum_whose_reply_was_lost_is_applied_once(tag, lost):
         assert int(table.size()) == 0
 
 
-@pytest.mark.alone
 def test_out_of_memory_then_memory_freed_leaves_no_stale_error():
     """Point 7: while the server is out of memory every write fails with
     CapacityError (ResourceExhausted in graphs), not retried; once memory is
@@ -613,7 +612,6 @@ def test_export_walks_every_bucket_in_bounded_chunks_through_faults(tag):
             list(table.export(10_000))
 
 
-@pytest.mark.alone
 def test_a_write_retried_on_a_server_that_never_had_its_first_attempt_is_no_loss(tmp_path):
     """A write whose first attempt reached the server but was never
     acknowledged (the connection died before its last command), retried on
@@ -772,7 +770,6 @@ def test_a_step_that_failed_part_way_and_is_run_again_applies_once(tag, at, seco
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=f"state {n}")
 
 
-@pytest.mark.alone
 def test_a_step_run_again_is_applied_once_while_another_process_writes_the_same_buckets(tag):
     """The shared-store layout: two processes write their own keys of the
     same buckets.  Here the first fails step 4 part-way (after its user

@@ -327,7 +327,6 @@ print("committed", flush=True)
 """.format(tests=str(Path(__file__).parent), env=manager_module.KILL_AT_COMMIT_POINT)
 
 
-@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["same_step", "next_step"])
 def test_a_kill_at_every_point_of_the_commit_leaves_a_complete_checkpoint(tmp_path, case):
@@ -398,7 +397,6 @@ print("committed", flush=True)
 """
 
 
-@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_at,expected", [(3, 1.0), (5, 1.0), (6, 2.0)])
 def test_a_kill_of_the_committing_worker_leaves_a_complete_checkpoint(tmp_path, kill_at, expected):

@@ -200,7 +200,6 @@ def test_every_k_is_not_exact_training(tmp_path, tag, engine, layout):
     assert not np.allclose(exact[1]["dense/kernel"], local[1]["dense/kernel"], atol=1e-4)
 
 
-@pytest.mark.alone
 def test_independent_trainers_on_one_redis_lose_only_a_killed_ones_unsynced_steps(tmp_path, tag):
     """Two processes train the same Redis tables at once, each alone (no
     engine), syncing every 3 steps (tests/semi_sync_job.py).  The second is

@@ -118,7 +118,6 @@ def test_bare_hvd_init_is_refused_with_the_fix(tmp_path, tag):
     assert "tfde.distributed.horovod.init()" in failed.value.output
 
 
-@pytest.mark.alone
 def test_a_killed_worker_stops_the_job(tmp_path, tag):
     """Rank 1 dies (SIGKILL) after step 3 of a long job: horovodrun stops the
     job with an error naming the failed process instead of hanging."""
