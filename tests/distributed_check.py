@@ -161,6 +161,21 @@ class JobFailed(AssertionError):
         self.output, self.every = output, every
 
 
+def dump(var):
+    """(keys, rows) of every key a tfde Variable stores here, as numpy arrays
+    (string keys as bytes): the "NAME/keys", "NAME/rows" pair of a job's
+    files that load() reads."""
+    keys, rows = [], []
+    for k, r in var.export():
+        k = k.numpy()
+        keys.append(k.astype("S") if k.dtype == object else k)
+        rows.append(r.numpy())
+    if not keys:
+        empty = np.zeros([0], "S1" if var.key_dtype.name == "string" else var.key_dtype.as_numpy_dtype)
+        return empty, np.zeros([0, var.dim], np.float32)
+    return np.concatenate(keys), np.concatenate(rows)
+
+
 def load(prefix):
     """({table: {key: row}} over all workers' files, {dense weight: array});
     fails if two workers store the same key (every key has one owner) or

@@ -76,6 +76,8 @@ import tensorflow as tf  # noqa: E402
 import tfde  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from distributed_check import dump  # noqa: E402  (the writer of what distributed_check.load reads)
+
 from benchmarks.dlrm_side import collective_ops  # noqa: E402
 
 rng = np.random.default_rng(7)
@@ -352,18 +354,6 @@ def dataset(ctx=None):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     return ds.with_options(options)
-
-
-def dump(var):
-    keys, rows = [], []
-    for k, r in var.export():
-        k = k.numpy()
-        keys.append(k.astype("S") if k.dtype == object else k)
-        rows.append(r.numpy())
-    if not keys:
-        empty = np.zeros([0], "S1" if var.key_dtype == tf.string else var.key_dtype.as_numpy_dtype)
-        return empty, np.zeros([0, var.dim], np.float32)
-    return np.concatenate(keys), np.concatenate(rows)
 
 
 def train_and_save():

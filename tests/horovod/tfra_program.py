@@ -10,12 +10,13 @@ rank and TensorBoard.  For tests/horovod/test_compat_tfra_horovod.py.
   horovodrun -np N -H localhost:N --gloo python tfra_program.py OUT restore
 
 `train` trains two epochs (each rank on its shard of the data) and writes
-OUT-train-wR.npz: the rows and optimizer slots this rank stores, the dense
-weights and the optimizer's step.  `restore` builds the same model, restores
+OUT-train-wR.npz: the rows, optimizer slots and policy counts this rank
+stores, the dense weights and the optimizer's step.  `restore` builds the same model, restores
 the latest checkpoint of its rank's directory and writes OUT-restore-wR.npz
 without training.  Working directory: where model_dir_R go."""
 
 import sys
+from pathlib import Path
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -25,20 +26,23 @@ import tensorflow_recommenders as tfrs
 import tfde
 from tfde.compat.tfra import dynamic_embedding as de
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from distributed_check import dump  # noqa: E402  (the writer of what distributed_check.load reads)
+
 hvd.init()
 OUT, PHASE = sys.argv[1], sys.argv[2]
 RANK, SIZE = hvd.rank(), hvd.size()
-ITEMS = 400
+ITEMS, EXAMPLES = 400, 1024
 
 cuckoo_creator = de.CuckooHashTableCreator(saver=de.FileSystemSaver(proc_size=SIZE, proc_rank=RANK))
 
 
 def datasets():
     rng = np.random.default_rng(7)
-    users = rng.integers(0, 300, 1024)
-    items = rng.zipf(1.4, 1024) % ITEMS
+    users = rng.integers(0, 300, EXAMPLES)
+    items = rng.zipf(1.4, EXAMPLES) % ITEMS
     ratings = tf.data.Dataset.from_tensor_slices({"user_id": users, "movie_id": items})
-    train = ratings.shard(SIZE, RANK).batch(1024 // SIZE // 8)  # 8 steps an epoch on every rank
+    train = ratings.shard(SIZE, RANK).batch(EXAMPLES // SIZE // 8)  # 8 steps an epoch on every rank
     candidates = tf.data.Dataset.from_tensor_slices(np.arange(ITEMS, dtype=np.int64)).batch(128)
     return train, candidates
 
@@ -82,16 +86,13 @@ def build(candidates):
     return model
 
 
-def dump(model, history=None):
+def write(model, history=None):
     out = {"dense/step": np.array(int(model.optimizer.iterations))}
     for tower_model in (model.user_model, model.item_model):
         layer = tower_model.layers[0]
-        for name, var in {"": layer.params, **{f"/{s}": v for s, v in layer.params.slots.items()}}.items():
-            parts = [(k.numpy(), r.numpy()) for k, r in var.export()]
-            out[f"{layer.name}{name}/keys"] = (
-                np.concatenate([k for k, _ in parts]) if parts else np.zeros([0], np.int64)
-            )
-            out[f"{layer.name}{name}/rows"] = np.concatenate([r for _, r in parts]) if parts else np.zeros([0, 16])
+        out[f"{layer.name}/keys"], out[f"{layer.name}/rows"] = dump(layer.params)
+        for name, slot in layer.params.slots.items():  # the optimizer's slots and the policy's state
+            out[f"{layer.name}/{name}/keys"], out[f"{layer.name}/{name}/rows"] = dump(slot)
         for i, weight in enumerate(tower_model.layers[1].get_weights() + tower_model.layers[2].get_weights()):
             out[f"dense/{tower_model.name}/{i}"] = weight
     if history is not None:
@@ -112,10 +113,10 @@ if PHASE == "train":
         ),
     ]
     history = model.fit(train, epochs=2, callbacks=callbacks, verbose=2)
-    dump(model, history)
+    write(model, history)
 else:
     restored = tfde.CheckpointManager(model_dir, model=model, optimizer=model.optimizer).restore()
     batch = next(iter(train))  # the towers' dense layers are made (and take their restored values) on a first call
     model.user_model(batch["user_id"]), model.item_model(batch["movie_id"])
     print(f"rank {RANK}: restored {restored}", flush=True)
-    dump(model)
+    write(model)
