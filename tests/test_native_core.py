@@ -165,6 +165,13 @@ def test_init_rows_distribution():
         init_seed=5,
     ).numpy()
     assert abs(got.mean() - 1.0) < 0.05 and abs(got.std() - 3.0) < 0.05
+    # Every column a normal of its own, those sharing a Box-Muller pair
+    # (0-1, 2-3, ...) too: the right spread and no correlation.
+    z = (got - 1.0) / 3.0
+    assert np.all(np.abs(z.mean(0)) < 0.04) and np.all(np.abs(z.std(0) - 1.0) < 0.03), (z.mean(0), z.std(0))
+    assert np.all(np.abs(np.mean(np.abs(z) < 1.0, 0) - 0.6827) < 0.015)
+    corr = np.corrcoef(z.T) - np.eye(8)
+    assert np.abs(corr).max() < 0.035, corr
     u = ops.tfde_init_rows(
         tf.range(20000, dtype=tf.int64),
         Tvalue=tf.float32,

@@ -169,8 +169,11 @@ def init_rows_reference(keys, spec: InitSpec, dim: int):
                 out[i, j] = p0
             elif spec.kind == "uniform":
                 out[i, j] = p0 + (p1 - p0) * u01(draw(j, 0))
-            elif spec.kind == "normal":
-                out[i, j] = p0 + p1 * normal(j, 0)
+            elif spec.kind == "normal":  # Box-Muller pairs: 2q + 1 takes r sin t of element 2q's draws
+                q = j - j % 2
+                u1, u2 = 1.0 - u01(draw(q, 0)), u01(draw(q, 1))
+                trig = math.cos if j % 2 == 0 else math.sin
+                out[i, j] = p0 + p1 * (math.sqrt(-2.0 * math.log(u1)) * trig(6.283185307179586 * u2))
             else:
                 z = 2.0
                 for a in range(64):

@@ -7,6 +7,10 @@
 //   base = Mix64(h ^ Mix64(s)),  draw(j, a) = Mix64(base + (j*256 + a) * G)
 // (G = 0x9E3779B97F4A7C15), a SplitMix64 stream per element; a = 0, 1, ...
 // counts the draws that element needed.  uniform01(x) = (x >> 11) * 2^-53.
+// A normal draw is Box-Muller's r cos t, r = sqrt(-2 log(1 - uniform01(draw
+// a))), t = 2 pi uniform01(draw a + 1); the normal kind gives element 2q + 1
+// the pair's other normal, r sin t of element 2q's draws (the truncated
+// normal redraws each element on its own, so it keeps one normal per draw).
 #ifndef TFDE_BACKENDS_CUCKOO_INIT_ROWS_H_
 #define TFDE_BACKENDS_CUCKOO_INIT_ROWS_H_
 
@@ -79,7 +83,15 @@ void FillInitialRow(const InitSpec& spec, uint64_t key_hash, int64_t dim, V* out
         out[j] = static_cast<V>(spec.p0 + (spec.p1 - spec.p0) * Uniform01(Draw(base, j, 0)));
       return;
     case InitKind::kNormal:
-      for (int64_t j = 0; j < dim; ++j) out[j] = static_cast<V>(spec.p0 + spec.p1 * StandardNormal(base, j, 0));
+      // Box-Muller pairs: elements 2q and 2q + 1 take the two normals of
+      // element 2q's draws (r cos t and r sin t), one logarithm per pair.
+      for (int64_t j = 0; j < dim; j += 2) {
+        const double u1 = 1.0 - Uniform01(Draw(base, j, 0));  // (0, 1]
+        const double u2 = Uniform01(Draw(base, j, 1));
+        const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
+        out[j] = static_cast<V>(spec.p0 + spec.p1 * (r * std::cos(t)));
+        if (j + 1 < dim) out[j + 1] = static_cast<V>(spec.p0 + spec.p1 * (r * std::sin(t)));
+      }
       return;
     case InitKind::kTruncatedNormal:
       for (int64_t j = 0; j < dim; ++j) {

@@ -101,6 +101,17 @@ struct Part {
   double state_value = 0, state_init = 0;
 };
 
+// The estimated work of a part of `keys` keys on `table`, for RunParts's
+// order: its distinct keys, the keys new to the table (each drawn an initial
+// row and inserted) and its cache misses all grow with the table's size,
+// while the keys per part are often the same (one per example and feature):
+// a model's smallest tables (tens of rows) take a few microseconds a step,
+// its biggest most of the op's time.
+template <class Table>
+int64_t PartCost(int64_t keys, const Table& table) {
+  return (keys + table.core.Size()) * table.dim();
+}
+
 // Runs work(p) for every part p in [0, n) side by side on the intra-op
 // pool, the biggest (by cost(p)) first, each part on one thread: a part's
 // own table calls are serial, since a ParallelFor inside a pool task could
@@ -317,7 +328,7 @@ class TableApplyOp : public OpKernel {
                                     if (!parts[p].decay) part_hy.h[1] = C(0);
                                     counts[p] = ApplyPart<TK, V, C>(parts[p], part_hy);
                                   },
-                                  [&](int p) { return parts[p].indices->NumElements() * parts[p].table->dim(); }));
+                                  [&](int p) { return PartCost(parts[p].indices->NumElements(), *parts[p].table); }));
                      for (int p = 0; p < n_; ++p) written[p]->scalar<int64_t>()() = counts[p];
                    }));
   }
@@ -538,7 +549,7 @@ class TableLookupOp : public OpKernel {
     }
     std::vector<std::unique_ptr<Distinct<typename KeyViews<TK>::View>>> distinct(n_);
     std::vector<std::unique_ptr<KeyViews<TK>>> views(n_);
-    auto cost = [&](int p) { return keys[p].dim_size(0) * dims_[p]; };
+    auto cost = [&](int p) { return PartCost(keys[p].dim_size(0), *tables[p]); };
     // The distinct keys first (they size the outputs), the parts side by side.
     OP_REQUIRES_OK(ctx, RunParts(
                             ctx, n_,
