@@ -159,10 +159,10 @@ def init_rows_reference(keys, spec: InitSpec, dim: int):
         def draw(j, a):
             return mix64((base + ((j * 256 + a) * golden)) & m)
 
-        def normal(j, attempt):
+        def normal(j, attempt, trig=math.cos):  # trig=math.sin: the other normal of the Box-Muller pair
             u1 = 1.0 - u01(draw(j, 2 * attempt))
             u2 = u01(draw(j, 2 * attempt + 1))
-            return math.sqrt(-2.0 * math.log(u1)) * math.cos(6.283185307179586 * u2)
+            return math.sqrt(-2.0 * math.log(u1)) * trig(6.283185307179586 * u2)
 
         for j in range(dim):
             if spec.kind == "constant":
@@ -170,10 +170,7 @@ def init_rows_reference(keys, spec: InitSpec, dim: int):
             elif spec.kind == "uniform":
                 out[i, j] = p0 + (p1 - p0) * u01(draw(j, 0))
             elif spec.kind == "normal":  # Box-Muller pairs: 2q + 1 takes r sin t of element 2q's draws
-                q = j - j % 2
-                u1, u2 = 1.0 - u01(draw(q, 0)), u01(draw(q, 1))
-                trig = math.cos if j % 2 == 0 else math.sin
-                out[i, j] = p0 + p1 * (math.sqrt(-2.0 * math.log(u1)) * trig(6.283185307179586 * u2))
+                out[i, j] = p0 + p1 * normal(j - j % 2, 0, math.cos if j % 2 == 0 else math.sin)
             else:
                 z = 2.0
                 for a in range(64):

@@ -59,10 +59,18 @@ inline double Uniform01(uint64_t x) { return static_cast<double>(x >> 11) * 0x1.
 inline uint64_t Draw(uint64_t base, int64_t j, int a) {
   return Mix64(base + (static_cast<uint64_t>(j) * 256u + static_cast<uint64_t>(a)) * kGolden);
 }
-inline double StandardNormal(uint64_t base, int64_t j, int attempt) {
+// Box-Muller's radius r and angle t of element j's draws 2 * attempt and
+// 2 * attempt + 1: r cos t and r sin t are two standard normals.
+inline void BoxMuller(uint64_t base, int64_t j, int attempt, double* r, double* t) {
   const double u1 = 1.0 - Uniform01(Draw(base, j, 2 * attempt));  // (0, 1]
   const double u2 = Uniform01(Draw(base, j, 2 * attempt + 1));
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  *r = std::sqrt(-2.0 * std::log(u1));
+  *t = 6.283185307179586 * u2;
+}
+inline double StandardNormal(uint64_t base, int64_t j, int attempt) {
+  double r, t;
+  BoxMuller(base, j, attempt, &r, &t);
+  return r * std::cos(t);
 }
 }  // namespace init_internal
 
@@ -86,9 +94,8 @@ void FillInitialRow(const InitSpec& spec, uint64_t key_hash, int64_t dim, V* out
       // Box-Muller pairs: elements 2q and 2q + 1 take the two normals of
       // element 2q's draws (r cos t and r sin t), one logarithm per pair.
       for (int64_t j = 0; j < dim; j += 2) {
-        const double u1 = 1.0 - Uniform01(Draw(base, j, 0));  // (0, 1]
-        const double u2 = Uniform01(Draw(base, j, 1));
-        const double r = std::sqrt(-2.0 * std::log(u1)), t = 6.283185307179586 * u2;
+        double r, t;
+        BoxMuller(base, j, 0, &r, &t);
         out[j] = static_cast<V>(spec.p0 + spec.p1 * (r * std::cos(t)));
         if (j + 1 < dim) out[j + 1] = static_cast<V>(spec.p0 + spec.p1 * (r * std::sin(t)));
       }

@@ -11,9 +11,9 @@ rank and TensorBoard.  For tests/horovod/test_compat_tfra_horovod.py.
 
 `train` trains two epochs (each rank on its shard of the data) and writes
 OUT-train-wR.npz: the rows, optimizer slots and policy counts this rank
-stores, the dense weights and the optimizer's step.  `restore` builds the same model, restores
-the latest checkpoint of its rank's directory and writes OUT-restore-wR.npz
-without training.  Working directory: where model_dir_R go."""
+stores, the dense weights and the optimizer's step.  `restore` builds the
+same model, restores the latest checkpoint of its rank's directory and
+writes OUT-restore-wR.npz without training.  Working directory: where model_dir_R go."""
 
 import sys
 from pathlib import Path
