@@ -135,6 +135,12 @@ def parser() -> argparse.ArgumentParser:
         "so lookups between syncs run no collective (memory: every table on every worker; docs/semi-sync.md)",
     )
     t.add_argument(
+        "--sync-local-slots",
+        action="store_true",
+        help="with --sync-replicate: each worker keeps its own optimizer slots across syncs, and a sync sends the "
+        "rows' changes only (docs/semi-sync.md)",
+    )
+    t.add_argument(
         "--exchange-stats",
         action="store_true",
         help="measure the multi-worker exchange (bytes and time in collectives per step)",

@@ -1,8 +1,10 @@
 """Semi-synchronous training against exact training: 2 MWMS workers of the
 two-tower demo and of the DLRM demo, a sync every k in {1, 4, 16, 64} steps
 (k = 1 is exact training), on sharded cuckoo tables (fetching each key
-from its owner, and with copies of the tables on every worker: "cuckoo-copies",
---sync-replicate) and on a shared Redis store (docs/semi-sync.md).
+from its owner; with copies of the tables on every worker: "cuckoo-copies",
+--sync-replicate; and the copies keeping each worker's optimizer slots:
+"cuckoo-local-slots", --sync-replicate --sync-local-slots) and on a shared
+Redis store (docs/semi-sync.md).
 
 Each run is `tfde train --workers 2 --sync-every K --exchange-stats` (tf-keras
 model.fit) on the same synthetic data for the same number of epochs, so every
@@ -16,7 +18,7 @@ Beside them, the ceiling of any k on this host: two `tfde train` processes
 alone at once, each on half the data (what one worker trains), with no
 exchange at all ("two processes alone").
 
-  python -m benchmarks.semi_sync_bench                 # 22 runs, about 30 minutes on 2 cores
+  python -m benchmarks.semi_sync_bench                 # 28 runs, about 38 minutes on 2 cores
   python -m benchmarks.semi_sync_bench --quick         # small data, k in {1, 4}: what CI runs
   python -m benchmarks.semi_sync_bench --plot docs/images/semi-sync-tradeoff.png   # also draws (matplotlib)
   python -m benchmarks.semi_sync_bench --from benchmarks/results/semi-sync-*.json --plot out.png  # a run again
@@ -41,6 +43,7 @@ from pathlib import Path
 from benchmarks.distributed_bench import parse
 
 HERE = Path(__file__).resolve().parent
+COPIES = ("cuckoo-copies", "cuckoo-local-slots")  # layouts with copies (the same program as cuckoo at k = 1)
 MODELS = {
     # model: (flags, quality key, quality name)
     "two-tower": (["--interactions", "{size}", "--users", "{users}", "--items", "{items}"], "recall", "recall@100"),
@@ -56,8 +59,8 @@ def run(
     cmd += [f.format(size=size, users=users, items=items) for f in flags]
     cmd += ["--workers", "2", "--engine", "mwms", "--exchange-stats", "--sync-every", str(every)]
     tag = None
-    if layout == "cuckoo-copies":
-        cmd += ["--sync-replicate"]
+    if layout in COPIES:
+        cmd += ["--sync-replicate"] + (["--sync-local-slots"] if layout == "cuckoo-local-slots" else [])
     if layout == "redis":
         tag = f"semi-bench-{uuid.uuid4().hex[:8]}"
         cfg = Path(tmp) / f"{tag}.json"
@@ -129,7 +132,7 @@ def ceiling_lines(results: list, bounds: dict) -> list:
 
 def table(results: list) -> str:
     lines = [
-        f"{'model':<10}{'layout':<15}{'k':>4}{'examples/s':>12}{'× k=1':>7}{'KiB/step':>10}{'exchange ms':>12}"
+        f"{'model':<10}{'layout':<20}{'k':>4}{'examples/s':>12}{'× k=1':>7}{'KiB/step':>10}{'exchange ms':>12}"
         f"{'step ms':>9}{'quality':>19}{'× k=1':>7}"
     ]
     base = {(r["model"], r["layout"]): r for r in results if r["every"] == 1}
@@ -139,7 +142,7 @@ def table(results: list) -> str:
         speed = f"{r['examples_per_s'] / b['examples_per_s']:.2f}" if b else "-"
         quality = f"{r[key] / b[key]:.3f}" if b and key in r and key in b else "-"
         lines.append(
-            f"{r['model']:<10}{r['layout']:<15}{r['every']:>4}{r.get('examples_per_s', 0):>12,.0f}{speed:>7}"
+            f"{r['model']:<10}{r['layout']:<20}{r['every']:>4}{r.get('examples_per_s', 0):>12,.0f}{speed:>7}"
             f"{r.get('kib_per_step', 0):>10,.0f}{r.get('exchange_ms', 0):>12.1f}{r.get('step_ms', 0):>9.1f}"
             f"{name + ' ' + format(r.get(key, 0), '.4f'):>19}{quality:>7}"
         )
@@ -158,7 +161,7 @@ def plot(results: list, path: str, info: dict, bounds=None) -> None:
         raise ImportError(f"--plot needs matplotlib: pip install matplotlib ({e})") from e
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
     for (model, layout), marker in zip(
-        sorted({(r["model"], r["layout"]) for r in results}), ["o", "s", "^", "D", "v", "P"]
+        sorted({(r["model"], r["layout"]) for r in results}), ["o", "s", "^", "D", "v", "P", "X", "*"]
     ):
         runs = sorted((r for r in results if r["model"] == model and r["layout"] == layout), key=lambda r: r["every"])
         _, key, name = MODELS[model]
@@ -191,7 +194,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--every", default="1,4,16,64", help="the values of k, comma-separated (1 is the baseline)")
     p.add_argument("--models", default="two-tower,dlrm")
-    p.add_argument("--layouts", default="cuckoo,cuckoo-copies,redis")
+    p.add_argument("--layouts", default="cuckoo,cuckoo-copies,cuckoo-local-slots,redis")
     p.add_argument("--interactions", type=int, default=200_000, help="two-tower data")
     p.add_argument("--examples", type=int, default=200_000, help="DLRM data")
     p.add_argument("--epochs", type=int, default=3, help="two-tower epochs")
@@ -230,7 +233,7 @@ def main(argv=None) -> int:
             for layout in args.layouts.split(","):
                 for every in sorted(everies):
                     exact = exact_run(results, model)
-                    if layout == "cuckoo-copies" and every == 1 and exact:
+                    if layout in COPIES and every == 1 and exact:
                         # The same program: replicate changes nothing at k = 1.
                         r = {k: v for k, v in exact.items() if k not in ("model", "layout", "every")}
                     else:

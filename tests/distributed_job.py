@@ -25,7 +25,8 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          OUT-planI-*),
          "sync_every": k (semi-synchronous training, tfde.keras.callbacks.PeriodicSync or, in the custom loop,
          tfde.semi_sync.PeriodicSync; each worker writes what it pushed at each sync to OUT-pushed-wW.npz and
-         worker 0 the initial rows of every key to OUT-init.npz),
+         worker 0 the initial rows of every key to OUT-init.npz; with "replicate": true each worker writes its
+         working copies after the last sync to OUT-copies-wW.npz), "sync_slots": "local" (PeriodicSync's slots),
          "value_dtype": "float16" (the two Embedding layers' rows and slots), ...}
 
 The data are fixed: T global batches of G examples (string user id, int64
@@ -269,12 +270,15 @@ def restrict_callbacks():
     if cfg.get("restrict"):
         out.append(tfde.keras.callbacks.RestrictCallback(every_n_steps=2, num_reserved=cfg["restrict"]))
     if cfg.get("sync_every"):
-        periodic = tfde.keras.callbacks.PeriodicSync(cfg["sync_every"], replicate=cfg.get("replicate", False))
+        periodic = tfde.keras.callbacks.PeriodicSync(
+            cfg["sync_every"], replicate=cfg.get("replicate", False), slots=cfg.get("sync_slots", "merged")
+        )
         out += [PushRecorder(lambda: periodic.sync, lambda step: step - periodic._last >= periodic.every), periodic]
     return out
 
 
 HISTORY = []  # model.fit's History (engine "fit" with several workers)
+SYNC = []  # [this run's tfde.semi_sync.PeriodicSync] (semi-synchronous training; the callback drops its own at the end)
 PUSHED = []  # [(table name, keys, deltas)] of every sync of this worker (semi-synchronous training)
 KERNELS = []  # the dense layer's kernel before each sync (its length: the syncs recorded so far)
 LOCAL_STEP = []  # model.fit's traced step during local steps: its collective ops (tf.distribute's, Horovod's)
@@ -298,6 +302,28 @@ def record_pending(sync):
         PUSHED.append((names[id(var)], keys, deltas, values, np.full(len(keys), len(KERNELS))))
 
 
+def dump_copies(sync):
+    """Writes OUT-copies-wW.npz: this worker's working copies (replicate)
+    of every layer's rows and optimizer slots after the last sync: the
+    rows are the stores', the slots too, or with "sync_slots": "local" this
+    worker's own."""
+    names = {}
+    for layer in model_layers:
+        names[id(layer.params)] = layer.name
+        for slot_name, slot in layer.params.slots.items():
+            names[id(slot)] = f"{layer.name}/{slot_name}"
+    copies = {}
+    for entry in sync._entries:
+        for t in entry.tables:
+            if id(t.var) not in names:  # policy state, change labels
+                continue
+            keys, rows, _ = t.rows.export_chunk(0, 2**62)
+            keys = keys.numpy()
+            copies[f"{names[id(t.var)]}/keys"] = keys.astype("S") if keys.dtype == object else keys
+            copies[f"{names[id(t.var)]}/rows"] = rows.numpy()
+    np.savez(f"{cfg['out']}-copies-w{index}.npz", **copies)
+
+
 class PushRecorder(tf.keras.callbacks.Callback):
     """Records what the PeriodicSync callback after it pushes at each sync."""
 
@@ -306,6 +332,8 @@ class PushRecorder(tf.keras.callbacks.Callback):
         self.sync_of, self.due = sync_of, due
 
     def on_train_batch_end(self, batch, logs=None):
+        if self.sync_of() is not None:
+            SYNC[:] = [self.sync_of()]
         if self.sync_of() is not None and self.due(int(self.model.optimizer.iterations.numpy())):
             record_pending(self.sync_of())
 
@@ -455,7 +483,9 @@ def train_and_save():
                 dense,
                 strategy=strategy,
                 replicate=cfg.get("replicate", False),
+                slots=cfg.get("sync_slots", "merged"),
             )
+            SYNC[:] = [periodic]
             periodic.start()
         auto = (
             tfde.AutoRestrictor(  # not with model "many"
@@ -491,6 +521,8 @@ def train_and_save():
             **{f"{n}/sync": np.concatenate([p[3] for p in v]) for n, v in pushed.items()},
             kernels=np.stack(KERNELS) if KERNELS else np.zeros([0]),
         )
+    if cfg.get("replicate") and SYNC:
+        dump_copies(SYNC[0])
     eager_read = None
     if cfg.get("eager_read"):
         # Every worker reads item rows eagerly, outside strategy.run.

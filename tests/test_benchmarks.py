@@ -109,7 +109,7 @@ def test_distributed_bench_quick_with_both_engines():
 
 def test_semi_sync_bench_quick_and_again_from_its_results():
     out = _bench("benchmarks.semi_sync_bench", "--quick", timeout=1200)
-    for layout in ("cuckoo", "cuckoo-copies", "redis"):
+    for layout in ("cuckoo", "cuckoo-copies", "cuckoo-local-slots", "redis"):
         for k in (1, 4):
             assert re.search(rf"two-tower {layout:<9}\s+{k}\s+[\d,]+", out), (layout, k, out[-2000:])
     # The ceiling of any k: two processes alone on the same cores, beside exact training.

@@ -209,3 +209,9 @@ def test_the_demo_s_examples_per_second_count_the_sync_at_each_epoch_s_end(model
         examples = (data.num_train // batch + 1) * batch
     # At most one epoch's examples per (sync + steps) seconds.
     assert result["examples_per_s"] < examples / slow, result
+
+
+def test_sync_local_slots_without_copies_is_refused_before_training(capsys):
+    code = cli.main(["train", "--workers", "2", "--sync-every", "4", "--sync-local-slots"])
+    assert code == 2
+    assert "--sync-local-slots keeps the slots in the copies of --sync-replicate; add it" in capsys.readouterr().err

@@ -107,7 +107,9 @@ def check_every_k_pushes(tmp_path, tag, engine, layout, extra=None):
     """10 steps with a sync every 4 (after steps 4 and 8, and at the end):
     every stored row and state is its initial value merged, at each sync,
     with what the workers that changed it recorded before that sync
-    (MERGES), replayed here; the stored keys are exactly the pushed ones."""
+    (MERGES), replayed here; the stored keys are exactly the pushed ones.
+    With "sync_slots": "local" no optimizer slot is pushed, and only the rest
+    is replayed (test_copies_keep_each_worker_s_slots checks the slots)."""
     extra = extra or {}
     tables, dense = run_job(tmp_path, 2, engine, "adam", layout, tag, {**extra, "sync_every": 4, "steps": 10})
     assert dense, "no dense weights"  # load() checked that both workers hold the same ones
@@ -115,11 +117,13 @@ def check_every_k_pushes(tmp_path, tag, engine, layout, extra=None):
     init = dict(np.load(prefix + "-init.npz"))
     pushed = _pushed(prefix)
     assert len(pushed) == 2
-    assert set(pushed[0]) == set(pushed[1]) == set(tables), (sorted(pushed[0]), sorted(tables))
+    local_slots = extra.get("sync_slots") == "local"
+    replayed = {name for name in tables if not (local_slots and MERGES[name.partition("/")[2]] == "mean")}
+    assert set(pushed[0]) == set(pushed[1]) == replayed, (sorted(pushed[0]), sorted(replayed))
     for kind in extra.get("policies", {}).values():
         assert f"user_emb/policy-{kind}" in tables or f"item_emb/policy-{kind}" in tables
     shared_keys = 0
-    for name in sorted(tables):
+    for name in sorted(replayed):
         layer, _, slot = name.partition("/")
         merge = MERGES[slot]
         start = {} if slot else {_key(k): r for k, r in zip(init[f"{layer}/keys"], init[f"{layer}/rows"])}
@@ -314,6 +318,45 @@ def check_copies_store_what_fetching_stores(tmp_path, tag, engine):
         local = {run: out["dense/local-step-collectives"] for run, out in local.items()}
         assert local["copies"].tolist() == [0], local
         assert min(local["fetch"]) > 0, local
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize("engine", COPIES_ENGINES)
+def test_copies_keep_each_worker_s_slots(tmp_path, tag, engine):
+    """slots="local" with copies: a sync merges the rows and policy state as
+    the default does (the replay check of the rows holds), and no optimizer
+    slot: after the last sync both workers' copies of the rows equal the
+    stores, each worker's copies of Adam's slots are its own (they differ
+    between the workers for a key both trained), and each owner's store
+    holds its own slots."""
+    _, pushed = check_every_k_pushes(tmp_path, tag, engine, "cuckoo", {**COPIES, "sync_slots": "local"})
+    prefix = str(tmp_path / "out2")
+    copies = [_by_key(np.load(f"{prefix}-copies-w{w}.npz")) for w in (0, 1)]
+    shards = [_by_key(np.load(f"{prefix}-w{w}.npz")) for w in (0, 1)]
+    differ = 0
+    for layer in ("user_emb", "item_emb"):
+        stored = {**shards[0][layer], **shards[1][layer]}
+        for w in (0, 1):
+            assert set(copies[w][layer]) == set(stored), layer
+            for key, row in stored.items():
+                np.testing.assert_array_equal(copies[w][layer][key], row, err_msg=f"{layer}[{key!r}] worker {w}")
+        for slot in ("m", "v"):
+            name = f"{layer}/{slot}"
+            for w in (0, 1):
+                for key, row in shards[w][name].items():  # the owner's store: its own slots
+                    # A key its copies lack (stored since they were made, by
+                    # the other worker's training): their initial value, 0.
+                    mine = copies[w][name].get(key, np.zeros_like(row))
+                    np.testing.assert_array_equal(mine, row, err_msg=f"{name}[{key!r}] owner {w}")
+            both = set(copies[0][name]) & set(copies[1][name])
+            differ += sum(not np.array_equal(copies[0][name][k], copies[1][name][k]) for k in both)
+    assert differ > 0, "every key's slots are equal on both workers: they were merged, not kept per worker"
+
+
+def _by_key(npz) -> dict:
+    """{table name: {key: row}} of a job's file of NAME/keys, NAME/rows pairs."""
+    names = {f[: -len("/keys")] for f in npz.files if f.endswith("/keys")}
+    return {n: {_key(k): r for k, r in zip(npz[f"{n}/keys"].tolist(), npz[f"{n}/rows"])} for n in names}
 
 
 if LEGACY:  # tfrs needs tf-keras: defined in the tf-keras run of scripts/test.sh only

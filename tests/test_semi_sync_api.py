@@ -378,6 +378,14 @@ def test_copies_refuse_an_admission_filter_and_writes_between_syncs(in_a_job):
         tfde.semi_sync.PeriodicSync(4, [admits], opt, replicate="yes")
     with pytest.raises(ConfigError, match="replicate must be True or False"):
         tfde.keras.callbacks.PeriodicSync(4, replicate=1)
+    for make in (
+        lambda **kw: tfde.semi_sync.PeriodicSync(4, [admits], opt, **kw),
+        lambda **kw: tfde.keras.callbacks.PeriodicSync(4, **kw),
+    ):
+        with pytest.raises(ConfigError, match=r"slots=\"local\" keeps .* pass replicate=True too"):
+            make(slots="local")
+        with pytest.raises(ConfigError, match=r"slots must be one of \('merged', 'local'\), got 'mean'"):
+            make(replicate=True, slots="mean")
 
     var = tfde.Variable("copies_writes", dim=2, initializer=0.0)
     var.upsert(tf.constant([2, 4], tf.int64), tf.ones([2, 2]))  # worker 0 owns 4 of them: hashed

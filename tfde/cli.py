@@ -43,6 +43,11 @@ def _train(args) -> int:
     if args.sync_every < 1:
         print(f"tfde train: --sync-every must be >= 1 (1: exact training), got {args.sync_every}", file=sys.stderr)
         return 2
+    if args.sync_local_slots and not args.sync_replicate:
+        print(
+            "tfde train: --sync-local-slots keeps the slots in the copies of --sync-replicate; add it", file=sys.stderr
+        )
+        return 2
     if args.keras == "tf-keras" and os.environ.get("TF_USE_LEGACY_KERAS") != "1":
         # `import tfde` has chosen tf.keras already: start again with tf-keras.
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -108,6 +113,7 @@ def _train(args) -> int:
         engine=engine,
         sync_every=args.sync_every,
         sync_replicate=args.sync_replicate,
+        sync_slots="local" if args.sync_local_slots else "merged",
     )
     k = args.k
     if not engine.chief:
@@ -171,6 +177,7 @@ def _train_dlrm(args, engine, creator, say) -> int:
         features=clicks.CATEGORICAL[: args.features],
         sync_every=args.sync_every,
         sync_replicate=args.sync_replicate,
+        sync_slots="local" if args.sync_local_slots else "merged",
     )
     better = result["auc"] > result["dense_baseline_auc"]
     if not engine.chief:

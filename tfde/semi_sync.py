@@ -45,7 +45,10 @@ training reads and writes as it would a store.  At a sync every worker gets
 the merged changes of every key and computes the new values as the owner
 does (_Entry.sync_copy), so both copies equal the stores again.  A lookup
 between syncs then runs no collective; a restriction or a restore makes the
-copies anew (rewriting_stores).
+copies anew (rewriting_stores).  With slots="local" as well, a sync
+merges the rows and policy state only: each worker's optimizer slots stay
+in its working copy across syncs (as its dense optimizer state does), and
+the owner writes its own to the store.
 
 Per-key state besides rows and optimizer slots merges by its own rule
 (_Entry): a frequency policy's counts are summed like the rows,
@@ -93,6 +96,20 @@ def _generation():
     return _GENERATION[0]
 
 
+def sync_options(replicate, slots) -> tuple:
+    """(replicate, slots), checked: PeriodicSync's options."""
+    if not isinstance(replicate, bool):
+        raise ConfigError(f"replicate must be True or False, got {replicate!r}")
+    if slots not in SLOTS_RULES:
+        raise ConfigError(f"slots must be one of {SLOTS_RULES}, got {slots!r}")
+    if slots == "local" and not replicate:
+        raise ConfigError(
+            'slots="local" keeps each worker\'s optimizer slots in its copies of the tables, and needs them: '
+            'pass replicate=True too (docs/semi-sync.md, "Optimizer slots kept per worker")'
+        )
+    return replicate, slots
+
+
 def every_arg(every) -> int:
     """`every` (steps between syncs) as an int >= 1, or a ConfigError."""
     k = int_arg(every)
@@ -126,7 +143,10 @@ class LocalTables:
         self.base = creator.create(f"{var.name}/local_base", var.key_dtype, var.value_dtype, var.dim)
 
 
-_SUM, _MEAN, _MAX = "sum", "mean", "max"  # how a sync merges the workers' changes of one kind of state
+# How a sync merges the workers' changes of one kind of state; _LOCAL: it
+# does not (optimizer slots of copies with slots="local": each worker's own).
+_SUM, _MEAN, _MAX, _LOCAL = "sum", "mean", "max", "local"
+SLOTS_RULES = ("merged", "local")  # PeriodicSync's slots=
 
 
 class _Entry:
@@ -137,10 +157,13 @@ class _Entry:
     policy's counts and admission counts take the sum of the workers'
     deltas ("sum"), optimizer slots the mean of the deltas of the workers
     that changed the key ("mean"), timestamps and change labels the latest
-    of the workers' values ("max")."""
+    of the workers' values ("max").  With copies and local_slots, the
+    optimizer slots are not merged at all ("local"): a sync neither sends
+    nor changes them, and the owner writes its own to the store."""
 
-    def __init__(self, var, slots: list, state: list, counts=None, copy: bool = False):
-        parts = [(var, _SUM)] + [(s, _MEAN) for s in slots] + list(state)
+    def __init__(self, var, slots: list, state: list, counts=None, copy: bool = False, local_slots: bool = False):
+        slot_merge = _LOCAL if copy and local_slots else _MEAN
+        parts = [(var, _SUM)] + [(s, slot_merge) for s in slots] + list(state)
         self.var = var
         self.variables = [v for v, _ in parts]  # a key's row and state: written together
         self.slots = self.variables[1:]  # every Variable of the key's state but the rows
@@ -160,6 +183,10 @@ class _Entry:
         if copy:
             self.touched = CuckooTableCreator().create(f"{var.name}/local_touched", var.key_dtype, tf.float32, 1)
         self.widths = [v.dim for v in every]
+        # The tables a sync merges (all but "local" ones), in order: what
+        # deltas() and payload() hold, side by side.
+        self.merged = [i for i, m in enumerate(self.merges) if m != _LOCAL]
+        self.merged_widths = [self.widths[i] for i in self.merged]
         # With an admission filter, a key the store does not hold stays out
         # of the local rows until the filter admits it (the optimizer asks
         # it as in an exact step); its base is its initial row.
@@ -232,17 +259,17 @@ class _Entry:
         return tf.float64 if any(t.var.value_dtype == tf.float64 for t in self.tables) else tf.float32
 
     def deltas(self):
-        """(keys [c], deltas [c, sum of widths], local values [c, sum of
-        widths]) of the keys whose row or state changed since it was
-        fetched; deltas are local value minus base, in float32 (float64
-        where any of the state is float64: policy state is)."""
+        """(keys [c], deltas [c, sum of merged_widths], local values [c, sum
+        of merged_widths]) of the keys whose row or merged state changed
+        since it was fetched; deltas are local value minus base, in float32
+        (float64 where any of the state is float64: policy state is)."""
         compute = self.compute_dtype()
         # Every fetched key (the base holds them all; the local tables hold
         # a key not admitted yet in its counts only: elsewhere it is its
         # base).  With copies, the keys looked up since the last sync.
         keys, _, _ = (self.touched if self.copy else self.tables[0].base).export_chunk(0, _ALL_ROWS)
         local, deltas = [], []
-        for t in self.tables:
+        for t in (self.tables[i] for i in self.merged):
             base = self._base(t, keys, compute)
             found, held = t.rows.find(keys, _ZERO)
             now = tf.where(held[:, None], tf.cast(found, compute), base)
@@ -261,7 +288,8 @@ class _Entry:
         row and state: with an admission filter, those that hold a row of
         it, and not those that only counted it)."""
         columns = []
-        pieces = zip(tf.split(packed, self.widths, axis=1), tf.split(local, self.widths, axis=1), self.merges)
+        merges = [self.merges[i] for i in self.merged]
+        pieces = zip(tf.split(packed, self.merged_widths, axis=1), tf.split(local, self.merged_widths, axis=1), merges)
         for delta, value, merge in pieces:
             if merge == _MAX:
                 mine = tf.one_hot(rank, size, dtype=value.dtype)
@@ -357,20 +385,27 @@ class _Entry:
         [u] bool) writes its keys to the store in one write, as add_owned
         does, and every worker writes them all to both copies."""
         count = summed[:, -1:]
-        widths = [w * size if m == _MAX else w for w, m in zip(self.widths, self.merges)]
-        new = []
-        for t, merge, part in zip(self.tables, self.merges, tf.split(summed[:, :-1], widths, axis=1)):
+        merged = [(self.tables[i], self.merges[i]) for i in self.merged]
+        widths = [t.var.dim * size if m == _MAX else t.var.dim for t, m in merged]
+        new = {}
+        for (t, merge), part in zip(merged, tf.split(summed[:, :-1], widths, axis=1)):
             if merge == _MEAN:
                 part = tf.math.divide_no_nan(part, count)
-            new.append(tf.cast(_merged(self._base(t, keys, part.dtype), part, merge, size), t.var.value_dtype))
+            new[t] = tf.cast(_merged(self._base(t, keys, part.dtype), part, merge, size), t.var.value_dtype)
         mine = tf.boolean_mask(keys, owned)
+
+        def owners(t):
+            """The new values of the owner's keys in table t; for local
+            slots, its own (its working copy)."""
+            if t in new:
+                return tf.boolean_mask(new[t], owned)
+            return t.rows.find(mine, t.var._missing(mine, for_update=True))[0]
+
+        rows = self.tables[0]
         ops = self.var._write_step(
-            mine,
-            tf.boolean_mask(new[0], owned),
-            {s: tf.boolean_mask(n, owned) for s, n in zip(self.slots, new[1:])},
-            store=True,
+            mine, owners(rows), {s: owners(t) for s, t in zip(self.slots, self.tables[1:])}, store=True
         )
-        ops += [op for t, n in zip(self.tables, new) for op in (t.base.insert(keys, n), t.rows.insert(keys, n))]
+        ops += [op for t, n in new.items() for op in (t.base.insert(keys, n), t.rows.insert(keys, n))]
         if self.var.changes is not None:
             with tf.control_dependencies(ops):
                 ops.append(self.var.changes.after_sync(mine))
@@ -530,6 +565,13 @@ class PeriodicSync:
         such table, with its optimizer slots and policy state, on every
         worker.  Not with admission filters.  docs/semi-sync.md, "Copies of sharded
         tables".
+      slots: with replicate=True, how a sync treats the optimizer slots of
+        the copied tables (Adam's moments, ...): "merged" (default: the
+        mean of the changes of the workers that changed a key, on every
+        worker) or "local" (each worker keeps its own across syncs, as it
+        does its dense optimizer state; the owner's go to the store, and so
+        into checkpoints).  "local" sends a third of the bytes per key with
+        Adam; docs/semi-sync.md, "Optimizer slots kept per worker".
 
     Not thread-safe: one training loop drives it.
 
@@ -543,12 +585,17 @@ class PeriodicSync:
     """
 
     def __init__(
-        self, every: int, variables: Sequence, optimizer, dense: Sequence = (), strategy=None, replicate: bool = False
+        self,
+        every: int,
+        variables: Sequence,
+        optimizer,
+        dense: Sequence = (),
+        strategy=None,
+        replicate: bool = False,
+        slots: str = "merged",
     ):
         self.every = every_arg(every)
-        if not isinstance(replicate, bool):
-            raise ConfigError(f"replicate must be True or False, got {replicate!r}")
-        self.replicate = replicate
+        self.replicate, self.slots = sync_options(replicate, slots)
         unique = {id(v): v for v in variables}
         # Sorted by name: every worker pushes the same Variables in the same
         # order (the sync's collectives pair them up).
@@ -689,13 +736,15 @@ class PeriodicSync:
         admission counts (CounterFilter.counts), over the keys whose row or
         state changed since it was fetched (a key an admission filter has
         not admitted: its count only): the local value minus the base, and
-        the local value.  A worker that stops now loses exactly these."""
+        the local value.  A worker that stops now loses exactly these (with
+        slots="local", the optimizer slots are not pushed, and not listed:
+        they stay in the worker's copies)."""
         out = []
         for e in self._entries if self.running else []:
             keys, packed, local = e.deltas()
             held = e.held(keys) if e.admits else tf.ones_like(keys, tf.bool)
-            pieces = zip(tf.split(packed, e.widths, axis=1), tf.split(local, e.widths, axis=1))
-            for v, (delta, value) in zip([t.var for t in e.tables], pieces):
+            pieces = zip(tf.split(packed, e.merged_widths, axis=1), tf.split(local, e.merged_widths, axis=1))
+            for v, (delta, value) in zip([e.tables[i].var for i in e.merged], pieces):
                 # A key with a local row pushes its row and state; a key an
                 # admission filter has not admitted, its count only.
                 mine = tf.logical_not(held) if v is e.counts else held
@@ -743,7 +792,7 @@ class PeriodicSync:
                 "replicate=False, or without the filter"
             )
         slots = [var.slot(name, init) for name, init in rule_for(self.optimizer).slots(self.optimizer)]
-        return _Entry(var, slots, state, counts, copy)
+        return _Entry(var, slots, state, counts, copy, local_slots=self.slots == "local")
 
     def _entry(self, var) -> _Entry:
         if var is None:

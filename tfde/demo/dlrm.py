@@ -101,6 +101,7 @@ def train(
     features=CATEGORICAL,
     sync_every: int = 1,
     sync_replicate: bool = False,
+    sync_slots: str = "merged",
 ) -> dict:
     """Trains the DLRM demo; returns figures (loss, examples/s, AUCs, table
     sizes).  With several workers (engine) each trains on its share of the
@@ -108,7 +109,8 @@ def train(
     features the model uses (a prefix of CATEGORICAL).  sync_every:
     semi-synchronous training with a sync every that many steps
     (tfde.keras.callbacks.PeriodicSync; docs/semi-sync.md); 1: exact.
-    sync_replicate: its replicate option (copies of the sharded tables)."""
+    sync_replicate: its replicate option (copies of the sharded tables), and
+    sync_slots its slots option ("local": optimizer slots per worker)."""
     features = list(features)
     if features != CATEGORICAL[: len(features)]:
         raise tfde.ConfigError(f"features must be the first N of {CATEGORICAL}, got {features}")
@@ -135,7 +137,7 @@ def train(
     rate = ExamplesPerSecond(batch_size * engine.size, verbose=bool(verbose))
     callbacks = engine.callbacks()
     if sync_every > 1:
-        callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every, replicate=sync_replicate))
+        callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every, replicate=sync_replicate, slots=sync_slots))
     callbacks.append(rate)  # last: an epoch's time includes its end's sync
     if engine.size == 1:
         ds = dataset(data.train_dense, data.train_cats, data.train_labels, batch_size, seed, names=features)

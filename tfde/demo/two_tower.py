@@ -185,6 +185,7 @@ def train(
     engine=None,
     sync_every: int = 1,
     sync_replicate: bool = False,
+    sync_slots: str = "merged",
 ) -> dict:
     """Trains the demo model; returns figures (loss, examples/s, recalls).
 
@@ -194,7 +195,8 @@ def train(
     engine: a tfde.demo.engines.Engine (one worker of several), or None.
     sync_every: semi-synchronous training with a sync every that many steps
     (tfde.keras.callbacks.PeriodicSync; docs/semi-sync.md); 1: exact.
-    sync_replicate: its replicate option (copies of the sharded tables).
+    sync_replicate: its replicate option (copies of the sharded tables), and
+    sync_slots its slots option ("local": optimizer slots per worker).
     With several workers each trains on its share of the data with batch_size
     examples per step; only the chief (worker 0) prints."""
     engine = engine or Engine(None)
@@ -228,7 +230,7 @@ def train(
             tfde.keras.callbacks.RestrictCallback(max_size=max_rows, num_reserved=max(1, int(max_rows * 0.9)))
         )
     if sync_every > 1:
-        callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every, replicate=sync_replicate))
+        callbacks.append(tfde.keras.callbacks.PeriodicSync(sync_every, replicate=sync_replicate, slots=sync_slots))
     callbacks.append(rate)  # last: an epoch's time includes its end's sync
     if engine.size == 1:
         ds, steps = in_batch_dataset(data.train_users, data.train_items, batch_size, seed), None

@@ -142,17 +142,18 @@ class PeriodicSync(tf.keras.callbacks.Callback):
       replicate: each worker keeps a copy of the tables sharded over the
         workers between syncs, so lookups run no collective between syncs
         (tfde.semi_sync.PeriodicSync's replicate).
+      slots: with replicate=True, "merged" (default) or "local": each
+        worker keeps its own optimizer slots across syncs
+        (tfde.semi_sync.PeriodicSync's slots).
 
     Example:
       >>> model.fit(data, callbacks=[tfde.keras.callbacks.PeriodicSync(every=16)])
     """
 
-    def __init__(self, every: int, replicate: bool = False) -> None:
+    def __init__(self, every: int, replicate: bool = False, slots: str = "merged") -> None:
         super().__init__()
         self.every = semi_sync.every_arg(every)
-        if not isinstance(replicate, bool):
-            raise ConfigError(f"replicate must be True or False, got {replicate!r}")
-        self.replicate = replicate
+        self.replicate, self.slots = semi_sync.sync_options(replicate, slots)
         self.sync = None
         self._last = 0
 
@@ -178,7 +179,7 @@ class PeriodicSync(tf.keras.callbacks.Callback):
             return model.weights
 
         self.sync = semi_sync.PeriodicSync(
-            self.every, variables, model.optimizer, dense, strategy=strategy, replicate=self.replicate
+            self.every, variables, model.optimizer, dense, strategy=strategy, replicate=self.replicate, slots=self.slots
         )
         self.sync._from_keras_callback = True
         self.sync._fit_logs = None  # the engine's FitLogs, once the sync has started
