@@ -285,10 +285,10 @@ LOCAL_STEP = []  # model.fit's traced step during local steps: its collective op
 MODEL_DENSE = []  # the model's dense layer
 
 
-def record_pending(sync):
-    """Appends what `sync` (tfde.semi_sync.PeriodicSync) is about to push to
-    PUSHED, and the dense kernel to KERNELS."""
-    KERNELS.append(np.asarray(MODEL_DENSE[0].get_weights()[0]))
+def table_names() -> dict:
+    """{id(Variable): its name in the job's files} of every layer's rows,
+    optimizer slots and admission counts ("LAYER", "LAYER/SLOT",
+    "LAYER/admission")."""
     names = {}
     for layer in model_layers:
         names[id(layer.params)] = layer.name
@@ -297,6 +297,14 @@ def record_pending(sync):
         counts = getattr(layer.params.admission_filter, "counts", None)
         if counts is not None:
             names[id(counts)] = f"{layer.name}/admission"
+    return names
+
+
+def record_pending(sync):
+    """Appends what `sync` (tfde.semi_sync.PeriodicSync) is about to push to
+    PUSHED, and the dense kernel to KERNELS."""
+    KERNELS.append(np.asarray(MODEL_DENSE[0].get_weights()[0]))
+    names = table_names()
     for var, keys, deltas, values in sync.pending():
         keys = keys.astype("S") if keys.dtype == object else keys
         PUSHED.append((names[id(var)], keys, deltas, values, np.full(len(keys), len(KERNELS))))
@@ -307,11 +315,7 @@ def dump_copies(sync):
     of every layer's rows and optimizer slots after the last sync: the
     rows are the stores', the slots too, or with "sync_slots": "local" this
     worker's own."""
-    names = {}
-    for layer in model_layers:
-        names[id(layer.params)] = layer.name
-        for slot_name, slot in layer.params.slots.items():
-            names[id(slot)] = f"{layer.name}/{slot_name}"
+    names = table_names()
     copies = {}
     for entry in sync._entries:
         for t in entry.tables:
