@@ -27,6 +27,7 @@ CONFIG: {"workers": N, "ports": [...], "engine": "fit" | "loop", "optimizer": "s
          tfde.semi_sync.PeriodicSync; each worker writes what it pushed at each sync to OUT-pushed-wW.npz and
          worker 0 the initial rows of every key to OUT-init.npz; with "replicate": true each worker writes its
          working copies after the last sync to OUT-copies-wW.npz), "sync_slots": "local" (PeriodicSync's slots),
+         "learning_rate": Adam's (default 0.01),
          "value_dtype": "float16" (the two Embedding layers' rows and slots), ...}
 
 The data are fixed: T global batches of G examples (string user id, int64
@@ -356,7 +357,7 @@ def optimizer():
         opt = tf.keras.optimizers.Adam(0.01)
         return hvd_keras.DistributedOptimizer(opt) if cfg["engine"] == "hvd" else opt
     if cfg["optimizer"] == "adam":
-        opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
+        opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(cfg.get("learning_rate", 0.01)))
     else:
         opt = tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(0.05))
     return hvd_keras.DistributedOptimizer(opt) if cfg["engine"] == "hvd" and cfg.get("hvd_wrap", True) else opt

@@ -353,6 +353,46 @@ def test_copies_keep_each_worker_s_slots(tmp_path, tag, engine):
     assert differ > 0, "every key's slots are equal on both workers: they were merged, not kept per worker"
 
 
+@pytest.mark.keras
+@pytest.mark.parametrize("engine", COPIES_ENGINES)
+def test_an_owner_stores_its_slots_when_only_they_changed(tmp_path, tag, engine):
+    """slots="local": a key whose row did not change (its update rounded
+    away; here Adam's learning rate is 0, so no row changes at all) while
+    its slots did is stored by its owner at the sync, with its unchanged
+    row and its owner's slots, as an exact step stores it; a key only the
+    other worker trained is not stored (its owner's slots are the initial
+    ones).  No policy state, which changes at every lookup and so pushes
+    every looked-up key anyway."""
+    import tensorflow as tf
+
+    from tfde.exchange import owner
+
+    cfg = {"replicate": True, "sync_slots": "local", "sync_every": 4, "steps": 10, "learning_rate": 0.0}
+    run_job(tmp_path, 2, engine, "adam", "cuckoo", tag, cfg)
+    prefix = str(tmp_path / "out2")
+    init = np.load(prefix + "-init.npz")
+    copies = [np.load(f"{prefix}-copies-w{w}.npz") for w in (0, 1)]
+    shards = [_by_key(np.load(f"{prefix}-w{w}.npz")) for w in (0, 1)]
+    for layer in ("user_emb", "item_emb"):
+        start = {_key(k): r for k, r in zip(init[f"{layer}/keys"].tolist(), init[f"{layer}/rows"])}
+        for w in (0, 1):
+            raw = copies[w][f"{layer}/v/keys"]
+            mine = owner(tf.constant(raw), 2).numpy() == w
+            trained = np.any(copies[w][f"{layer}/v/rows"] != 0, axis=1)  # Adam's v: > 0 once a gradient came
+            expected = {_key(k) for k in raw[mine & trained].tolist()}
+            assert expected, f"worker {w} trained no key of {layer} it owns: the check proves nothing"
+            stored = shards[w].get(layer, {})
+            assert set(stored) == expected, (
+                f"{layer}: worker {w} stores {len(stored)} keys, owns {len(expected)} trained"
+            )
+            own = _by_key(copies[w])
+            for k in expected:
+                np.testing.assert_array_equal(stored[k], start[k], err_msg=f"{layer}[{k!r}] row, owner {w}")
+                for slot in ("m", "v"):
+                    name = f"{layer}/{slot}"
+                    np.testing.assert_array_equal(shards[w][name][k], own[name][k], err_msg=f"{name}[{k!r}] owner {w}")
+
+
 def _by_key(npz) -> dict:
     """{table name: {key: row}} of a job's file of NAME/keys, NAME/rows pairs."""
     names = {f[: -len("/keys")] for f in npz.files if f.endswith("/keys")}

@@ -258,11 +258,15 @@ class _Entry:
     def compute_dtype(self):
         return tf.float64 if any(t.var.value_dtype == tf.float64 for t in self.tables) else tf.float32
 
-    def deltas(self):
+    def deltas(self, owned=None):
         """(keys [c], deltas [c, sum of merged_widths], local values [c, sum
         of merged_widths]) of the keys whose row or merged state changed
         since it was fetched; deltas are local value minus base, in float32
-        (float64 where any of the state is float64: policy state is)."""
+        (float64 where any of the state is float64: policy state is).
+        With slots kept per worker ("local"), also the keys this worker owns
+        (`owned`: keys -> bool) whose slots alone changed: the owner stores
+        its slots with the key's row (sync_copy), so a step whose update
+        rounded away in every column of a row still stores its slots."""
         compute = self.compute_dtype()
         # Every fetched key (the base holds them all; the local tables hold
         # a key not admitted yet in its counts only: elsewhere it is its
@@ -270,14 +274,35 @@ class _Entry:
         keys, _, _ = (self.touched if self.copy else self.tables[0].base).export_chunk(0, _ALL_ROWS)
         local, deltas = [], []
         for t in (self.tables[i] for i in self.merged):
-            base = self._base(t, keys, compute)
-            found, held = t.rows.find(keys, _ZERO)
-            now = tf.where(held[:, None], tf.cast(found, compute), base)
+            now, base = self._now_and_base(t, keys, compute)
             local.append(now)
             deltas.append(now - base)
         packed, local = tf.concat(deltas, 1), tf.concat(local, 1)
         changed = tf.reduce_any(tf.not_equal(packed, 0), axis=1)
+        if owned is not None and len(self.merged) < len(self.tables):
+            changed = tf.logical_or(changed, self._slots_alone_changed(keys, changed, owned, compute))
         return tuple(tf.boolean_mask(t, changed) for t in (keys, packed, local))
+
+    def _now_and_base(self, t, keys, compute):
+        """(local values, base values) of `keys` in LocalTables `t`."""
+        base = self._base(t, keys, compute)
+        found, held = t.rows.find(keys, _ZERO)
+        return tf.where(held[:, None], tf.cast(found, compute), base), base
+
+    def _slots_alone_changed(self, keys, changed, owned, compute):
+        """bool [c]: which of `keys` this worker owns, did not change in the
+        merged tables (`changed`), and changed in a "local" one (its slots).
+        Only those few keys are read again."""
+        quiet = tf.where(tf.logical_not(changed))[:, 0]
+        mine = owned(tf.gather(keys, quiet))
+        quiet = tf.boolean_mask(quiet, mine)
+        some = tf.gather(keys, quiet)
+        moved = tf.zeros_like(quiet, tf.bool)
+        for i in range(len(self.tables)):
+            if i not in self.merged:
+                now, base = self._now_and_base(self.tables[i], some, compute)
+                moved = tf.logical_or(moved, tf.reduce_any(tf.not_equal(now, base), axis=1))
+        return tf.scatter_nd(quiet[:, None], moved, tf.shape(changed, out_type=tf.int64))
 
     def payload(self, keys, packed, local, rank, size):
         """What this worker sends the owners at a sync in a job: per kind of
@@ -738,10 +763,12 @@ class PeriodicSync:
         not admitted: its count only): the local value minus the base, and
         the local value.  A worker that stops now loses exactly these (with
         slots="local", the optimizer slots are not pushed, and not listed:
-        they stay in the worker's copies)."""
+        they stay in the worker's copies; a key this worker owns whose slots
+        alone changed is listed with zero deltas, _Entry.deltas)."""
         out = []
+        ex = _exchange.engine_active()
         for e in self._entries if self.running else []:
-            keys, packed, local = e.deltas()
+            keys, packed, local = e.deltas(self._owned(e, ex))
             held = e.held(keys) if e.admits else tf.ones_like(keys, tf.bool)
             pieces = zip(tf.split(packed, e.merged_widths, axis=1), tf.split(local, e.merged_widths, axis=1))
             for v, (delta, value) in zip([e.tables[i].var for i in e.merged], pieces):
@@ -759,6 +786,14 @@ class PeriodicSync:
     def _dirty(self) -> bool:
         """Whether a local table holds anything since the last sync (eager)."""
         return any(e.dirty() for e in self._entries or [])
+
+    @staticmethod
+    def _owned(e: _Entry, ex):
+        """keys -> bool [k]: which of them this worker owns, for a Variable
+        with copies in a job (_Entry.deltas); None otherwise."""
+        if not (e.copy and ex.collective):
+            return None
+        return lambda keys: ex.owned(keys, e.var.placement)
 
     def _make_entry(self, var) -> _Entry:
         refused = f"semi-synchronous training (every={self.every}) does not support Variable {var.name!r}"
@@ -821,7 +856,7 @@ class PeriodicSync:
 
     def _sync_body(self):
         ex = _exchange.engine_active()
-        pending = [(e,) + e.deltas() for e in self._entries]
+        pending = [(e,) + e.deltas(self._owned(e, ex)) for e in self._entries]
         writes = []
         if not ex.collective:
             # Alone (independent processes may share a Redis store).
