@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfde
+from tfde.compat.tfra import dynamic_embedding as tfra_de
 
 pytestmark = pytest.mark.keras
 
@@ -283,6 +284,23 @@ def test_a_model_compiled_without_the_tfde_optimizer_is_told_the_fix(compile_arg
     ):
         model.fit(data, epochs=1, verbose=0)
     assert int(model.layers[0].params.size()) == 0
+
+
+def test_a_model_compiled_without_the_tfde_optimizer_the_program_made_is_told_to_pass_it():
+    """TFRA's MWMS program builds de.DynamicEmbeddingOptimizer(Adam()) and
+    then calls model.compile() without it: the refusal says that the
+    program made one and to pass it, beside the general fix."""
+    made = tfra_de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.01))
+    model = tf.keras.Sequential([tfde.keras.layers.Embedding(4, initializer=0.5), tf.keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    data = tf.data.Dataset.from_tensor_slices((np.arange(8, dtype=np.int64), np.ones(8, np.float32))).batch(4)
+    with pytest.raises(
+        tfde.UnsupportedOptimizerError,
+        match=r"made tfde.DynamicEmbeddingOptimizer\([^)]*Adam[^)]*\) but does not train with it: pass that optimizer",
+    ):
+        model.fit(data, epochs=1, verbose=0)
+    assert int(model.layers[0].params.size()) == 0
+    assert isinstance(made, tfde.optimizer.DynamicEmbeddingMixin)
 
 
 def test_the_unwrapped_optimizer_error_names_no_engine_the_program_does_not_use():

@@ -29,6 +29,7 @@ are rejected.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import tensorflow as tf
@@ -495,7 +496,9 @@ def refuse_plain_optimizers(optimizers_module) -> None:
                     "it is not wrapped by tfde.DynamicEmbeddingOptimizer, which alone can update table rows. "
                     f"Compile with model.compile(optimizer=tfde.DynamicEmbeddingOptimizer("
                     f"tf.keras.optimizers.{name}(...)), ...) (model.compile() without an optimizer uses a plain "
-                    "RMSprop)" + "".join(f"; {hint}" for hint in _exchange.wrapping_hints())
+                    "RMSprop)"
+                    + _unused_wrapper_hint(self)
+                    + "".join(f"; {hint}" for hint in _exchange.wrapping_hints())
                 )
         return original(self, var_list, *args, **kwargs)
 
@@ -503,6 +506,24 @@ def refuse_plain_optimizers(optimizers_module) -> None:
     build.__wrapped__ = original
     build.__doc__ = original.__doc__
     setattr(root, "build", build)
+
+
+# Every optimizer DynamicEmbeddingOptimizer upgraded in this process: the
+# refusal of an unwrapped one says when the program made one it did not pass.
+_upgraded = weakref.WeakSet()
+
+
+def _unused_wrapper_hint(refused) -> str:
+    """ "; this program made ..." when a tfde optimizer other than `refused`
+    exists (TFRA's MWMS program builds one and calls model.compile() without
+    it), else ""."""
+    made = sorted({type(o).__name__ for o in list(_upgraded) if o is not refused})
+    if not made:
+        return ""
+    return (
+        f"; this program made tfde.DynamicEmbeddingOptimizer({' / '.join(made)}) but does not train with it: "
+        "pass that optimizer, e.g. model.compile(optimizer=optimizer, ...)"
+    )
 
 
 def register_keras_optimizers(optimizers_module) -> None:
@@ -537,4 +558,5 @@ def DynamicEmbeddingOptimizer(optimizer: Any) -> Any:
     _rule_for(optimizer)
     _check_options(optimizer)
     optimizer.__class__ = _wrapped_class(type(optimizer))
+    _upgraded.add(optimizer)
     return optimizer
