@@ -158,6 +158,36 @@ def test_lookup_is_one_pipelined_hmget_per_bucket_chunk():
     assert connections2 == connections  # no new connection: the lookup reused the one its op holds
 
 
+def test_a_program_run_again_under_the_same_tag_trains_on_from_the_rows_and_slots_it_left(tag):
+    """Redis tables outlive the program (docs/redis.md): a second model built
+    on the same config, as a program run again builds it, reads the rows
+    and Adam slots the first one trained, while its dense weights and its
+    optimizer's step start anew."""
+    config = {"model_tag_runtime": tag}
+    ids = np.arange(16, dtype=np.int64)
+    data = tf.data.Dataset.from_tensor_slices((ids, np.ones(16, np.float32))).batch(8)
+
+    def program():
+        emb = tfde.keras.layers.Embedding(4, table_creator=tfde.RedisTableCreator(config), name="emb")
+        model = tf.keras.Sequential([emb, tf.keras.layers.Dense(1)])
+        model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(0.05)), loss="mse")
+        return model, emb.params
+
+    first, params = program()
+    first.fit(data, epochs=2, verbose=0)
+    keys = tf.constant(ids)
+    names = sorted(params.slots)
+    left = [params.lookup(keys).numpy()] + [params.slots[n].lookup(keys).numpy() for n in names]
+    assert len(names) == 2 and np.abs(left[2]).sum() > 0  # Adam's m and v: trained
+    again, params = program()
+    again.build((None,))
+    assert int(again.optimizer.iterations.numpy()) == 0
+    assert int(params.size()) == 16
+    np.testing.assert_array_equal(params.lookup(keys).numpy(), left[0])
+    for name, stored in zip(names, left[1:]):  # the slot tables the optimizer will open
+        np.testing.assert_array_equal(params.slot(name, 0.0).lookup(keys).numpy(), stored, err_msg=name)
+
+
 def test_layout_is_readable_by_other_programs(tag):
     creator = tfde.RedisTableCreator({"model_tag_runtime": tag, "storage_slice": 2})
     t = creator.create("layout", tf.int64, tf.float32, 3)
