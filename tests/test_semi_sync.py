@@ -323,6 +323,10 @@ def check_copies_store_what_fetching_stores(tmp_path, tag, engine):
 @pytest.mark.keras
 @pytest.mark.parametrize("engine", COPIES_ENGINES)
 def test_copies_keep_each_worker_s_slots(tmp_path, tag, engine):
+    check_copies_keep_each_worker_s_slots(tmp_path, tag, engine)
+
+
+def check_copies_keep_each_worker_s_slots(tmp_path, tag, engine):
     """slots="local" with copies: a sync merges the rows and policy state as
     the default does (the replay check of the rows holds), and no optimizer
     slot: after the last sync both workers' copies of the rows equal the
@@ -356,6 +360,10 @@ def test_copies_keep_each_worker_s_slots(tmp_path, tag, engine):
 @pytest.mark.keras
 @pytest.mark.parametrize("engine", COPIES_ENGINES)
 def test_an_owner_stores_its_slots_when_only_they_changed(tmp_path, tag, engine):
+    check_an_owner_stores_its_slots_when_only_they_changed(tmp_path, tag, engine)
+
+
+def check_an_owner_stores_its_slots_when_only_they_changed(tmp_path, tag, engine):
     """slots="local": a key whose row did not change (its update rounded
     away; here Adam's learning rate is 0, so no row changes at all) while
     its slots did is stored by its owner at the sync, with its unchanged

@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from distributed_check import redis_tag, run_job  # noqa: E402
 from test_semi_sync import (  # noqa: E402
     STATE,
+    check_an_owner_stores_its_slots_when_only_they_changed,
+    check_copies_keep_each_worker_s_slots,
     check_copies_store_what_fetching_stores,
     check_every_1_is_exact,
     check_every_k_pushes,
@@ -56,3 +58,13 @@ def test_steps_where_no_worker_fetches_a_new_key_under_horovod(tmp_path, tag):
 def test_copies_of_sharded_tables_store_what_fetching_stores_under_horovod(tmp_path, tag):
     """As tests/test_semi_sync.py's, with the copies' sums gathered by Horovod's all-gather."""
     check_copies_store_what_fetching_stores(tmp_path, tag, "hvd")
+
+
+def test_copies_keep_each_worker_s_slots_under_horovod(tmp_path, tag):
+    """As tests/test_semi_sync.py's (slots="local"), through Horovod's all-gather."""
+    check_copies_keep_each_worker_s_slots(tmp_path, tag, "hvd")
+
+
+def test_an_owner_stores_its_slots_when_only_they_changed_under_horovod(tmp_path, tag):
+    """As tests/test_semi_sync.py's, with the owners decided by the all-to-all exchange."""
+    check_an_owner_stores_its_slots_when_only_they_changed(tmp_path, tag, "hvd")
