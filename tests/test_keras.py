@@ -296,7 +296,8 @@ def test_a_model_compiled_without_the_tfde_optimizer_the_program_made_is_told_to
     data = tf.data.Dataset.from_tensor_slices((np.arange(8, dtype=np.int64), np.ones(8, np.float32))).batch(4)
     with pytest.raises(
         tfde.UnsupportedOptimizerError,
-        match=r"made tfde.DynamicEmbeddingOptimizer\([^)]*Adam[^)]*\) but does not train with it: pass that optimizer",
+        match=r"made tfde.DynamicEmbeddingOptimizer\([^)]*Adam[^)]*\), which does not train these tables: if it "
+        r"was meant to, pass that optimizer",
     ):
         model.fit(data, epochs=1, verbose=0)
     assert int(model.layers[0].params.size()) == 0

@@ -521,8 +521,8 @@ def _unused_wrapper_hint(refused) -> str:
     if not made:
         return ""
     return (
-        f"; this program made tfde.DynamicEmbeddingOptimizer({' / '.join(made)}) but does not train with it: "
-        "pass that optimizer, e.g. model.compile(optimizer=optimizer, ...)"
+        f"; this program made tfde.DynamicEmbeddingOptimizer({' / '.join(made)}), which does not train these "
+        "tables: if it was meant to, pass that optimizer, e.g. model.compile(optimizer=optimizer, ...)"
     )
 
 
