@@ -378,11 +378,11 @@ def check_an_owner_stores_its_slots_when_only_they_changed(tmp_path, tag, engine
     cfg = {"replicate": True, "sync_slots": "local", "sync_every": 4, "steps": 10, "learning_rate": 0.0}
     run_job(tmp_path, 2, engine, "adam", "cuckoo", tag, cfg)
     prefix = str(tmp_path / "out2")
-    init = np.load(prefix + "-init.npz")
+    start = _by_key(np.load(prefix + "-init.npz"))  # every key's initial row
     copies = [np.load(f"{prefix}-copies-w{w}.npz") for w in (0, 1)]
+    own = [_by_key(c) for c in copies]
     shards = [_by_key(np.load(f"{prefix}-w{w}.npz")) for w in (0, 1)]
     for layer in ("user_emb", "item_emb"):
-        start = {_key(k): r for k, r in zip(init[f"{layer}/keys"].tolist(), init[f"{layer}/rows"])}
         for w in (0, 1):
             raw = copies[w][f"{layer}/v/keys"]
             mine = owner(tf.constant(raw), 2).numpy() == w
@@ -393,12 +393,13 @@ def check_an_owner_stores_its_slots_when_only_they_changed(tmp_path, tag, engine
             assert set(stored) == expected, (
                 f"{layer}: worker {w} stores {len(stored)} keys, owns {len(expected)} trained"
             )
-            own = _by_key(copies[w])
             for k in expected:
-                np.testing.assert_array_equal(stored[k], start[k], err_msg=f"{layer}[{k!r}] row, owner {w}")
+                np.testing.assert_array_equal(stored[k], start[layer][k], err_msg=f"{layer}[{k!r}] row, owner {w}")
                 for slot in ("m", "v"):
                     name = f"{layer}/{slot}"
-                    np.testing.assert_array_equal(shards[w][name][k], own[name][k], err_msg=f"{name}[{k!r}] owner {w}")
+                    np.testing.assert_array_equal(
+                        shards[w][name][k], own[w][name][k], err_msg=f"{name}[{k!r}] owner {w}"
+                    )
 
 
 def _by_key(npz) -> dict:
