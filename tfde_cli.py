@@ -27,6 +27,22 @@ is given or TF_CPP_MIN_LOG_LEVEL is set; its errors are always shown.
 """
 
 
+def _at_least(low, kind=int):
+    """An argparse type: a number of `kind` >= low, else a usage error
+    naming the value seen (before any data is made or table touched)."""
+
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an int' if kind is int else 'a number'}, got {text!r}")
+        if not value >= low:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+
+    return convert
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tfde",
@@ -51,14 +67,20 @@ def parser() -> argparse.ArgumentParser:
         help="two-tower: MovieLens ratings CSV (userId,movieId,rating,timestamp); dlrm: Criteo TSV (label, "
         "13 integers, 26 hex strings); default: synthetic",
     )
-    t.add_argument("--interactions", type=int, default=1_000_000, help="two-tower: synthetic interactions")
-    t.add_argument("--users", type=int, default=50_000)
-    t.add_argument("--items", type=int, default=20_000)
+    t.add_argument("--interactions", type=_at_least(1), default=1_000_000, help="two-tower: synthetic interactions")
+    t.add_argument("--users", type=_at_least(1), default=50_000)
+    t.add_argument("--items", type=_at_least(1), default=20_000)
     t.add_argument(
-        "--examples", type=int, default=1_000_000, help="dlrm: synthetic examples (or at most this many of --data)"
+        "--examples",
+        type=_at_least(100),
+        default=1_000_000,
+        help="dlrm: synthetic examples (or at most this many of --data)",
     )
     t.add_argument(
-        "--max-cardinality", type=int, default=10_000_000, help="dlrm: the largest synthetic feature's distinct ids"
+        "--max-cardinality",
+        type=_at_least(10),
+        default=10_000_000,
+        help="dlrm: the largest synthetic feature's distinct ids",
     )
     t.add_argument(
         "--placement",
@@ -75,14 +97,14 @@ def parser() -> argparse.ArgumentParser:
         default="collection",
         help="dlrm: one DistributedEmbedding layer, or one Embedding layer per feature",
     )
-    t.add_argument("--epochs", type=int, help="default: 2 (two-tower), 1 (dlrm)")
+    t.add_argument("--epochs", type=_at_least(1), help="default: 2 (two-tower), 1 (dlrm)")
     t.add_argument(
-        "--batch-size", type=int, help="examples per worker and step; default: 1024 (two-tower), 4096 (dlrm)"
+        "--batch-size", type=_at_least(1), help="examples per worker and step; default: 1024 (two-tower), 4096 (dlrm)"
     )
-    t.add_argument("--dim", type=int, help="embedding dim; default: 64 (two-tower), 16 (dlrm)")
-    t.add_argument("--learning-rate", type=float, help="default: 0.01 (two-tower), 0.002 (dlrm)")
+    t.add_argument("--dim", type=_at_least(1), help="embedding dim; default: 64 (two-tower), 16 (dlrm)")
+    t.add_argument("--learning-rate", type=_at_least(0.0, float), help="default: 0.01 (two-tower), 0.002 (dlrm)")
     t.add_argument("--optimizer", default="adam", help="adam, adagrad, sgd, rmsprop, adamw or ftrl")
-    t.add_argument("--k", type=int, default=100, help="recall@k")
+    t.add_argument("--k", type=_at_least(1), default=100, help="recall@k")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--keras", choices=["keras3", "tf-keras"], default="keras3")
     t.add_argument("--backend", choices=["cuckoo", "redis"], default="cuckoo", help="where the tables live")
@@ -105,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--progress", action="store_true", help="progress bar even when stdout is not a terminal")
     t.add_argument(
         "--workers",
-        type=int,
+        type=_at_least(1),
         default=1,
         help="train with this many worker processes on this machine (synchronous; each owns a shard of every table)",
     )
@@ -123,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--sync-every",
-        type=int,
+        type=_at_least(1),
         default=1,
         metavar="K",
         help="semi-synchronous training: workers train apart and sync every K steps (1: exact; docs/semi-sync.md)",

@@ -167,6 +167,44 @@ def test_a_configuration_tfde_refuses_is_a_one_line_usage_error(tmp_path, capsys
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "flag, value, seen",
+    [
+        ("--batch-size", "0", "must be >= 1, got 0"),  # was taken for the default, 1024
+        ("--dim", "0", "must be >= 1, got 0"),  # likewise (64)
+        ("--epochs", "0", "must be >= 1, got 0"),  # trained nothing, then a KeyError traceback
+        ("--learning-rate", "-1", "must be >= 0.0, got -1"),  # trained away from the data
+        ("--learning-rate", "nan", "must be >= 0.0, got nan"),
+        ("--k", "0", "must be >= 1, got 0"),  # a recall@0
+        ("--users", "0", "must be >= 1, got 0"),  # a numpy traceback
+        ("--examples", "99", "must be >= 100, got 99"),  # (dlrm's synthetic log) a ValueError traceback
+        ("--workers", "two", "expected an int, got 'two'"),
+        ("--sync-every", "0", "must be >= 1, got 0"),
+    ],
+)
+def test_a_number_out_of_range_is_a_usage_error_before_anything_runs(flag, value, seen, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"tfde train: error: argument {flag}: {seen}" in err, err
+
+
+@pytest.mark.parametrize(
+    "args, seen",
+    [
+        (["--interactions", "500"], "475 training examples make no full batch of 1,024"),
+        (["--model", "dlrm", "--examples", "4000"], "3,600 training examples make no full batch of 4,096"),
+    ],
+)
+def test_data_without_one_full_batch_is_a_usage_error(args, seen, capsys):
+    """Too little data for one batch trained no step and ended in a KeyError
+    traceback from the empty history: now exit status 2 and the fix."""
+    assert cli.main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"tfde: error: {seen}: lower the batch size (tfde train --batch-size) or train on more data" in err, err
+
+
 def test_make_data_command(tmp_path, capsys):
     assert cli.main(["make-data", str(tmp_path / "d"), "--ratings", "500", "--seed", "2"]) == 0
     assert "wrote 500 ratings" in capsys.readouterr().out

@@ -40,9 +40,6 @@ def _without(argv, flag):
 
 
 def _train(args) -> int:
-    if args.sync_every < 1:
-        print(f"tfde train: --sync-every must be >= 1 (1: exact training), got {args.sync_every}", file=sys.stderr)
-        return 2
     if args.sync_local_slots and not args.sync_replicate:
         print(
             "tfde train: --sync-local-slots keeps the slots in the copies of --sync-replicate; add it", file=sys.stderr
@@ -119,8 +116,7 @@ def _train(args) -> int:
     if not engine.chief:
         return 0 if result[f"recall@{k}"] > result[f"most_popular_recall@{k}"] else 1
     _print_exchange(result["exchange"])
-    shard = " (worker 0's shard)" if engine.size > 1 else ""
-    print(f"rows stored{shard}: {result['user_rows']:,} users, {result['item_rows']:,} items")
+    print(f"rows stored{result['rows_of']}: {result['user_rows']:,} users, {result['item_rows']:,} items")
     print(
         f"final loss {result['loss']:.4f}, {result['examples_per_s']:,.0f} examples/s"
         + (" (all workers)" if engine.size > 1 else "")
@@ -185,10 +181,9 @@ def _train_dlrm(args, engine, creator, say) -> int:
     if result["plan"]:
         print(result["plan"])
     _print_exchange(result["exchange"])
-    shard = " (worker 0's share)" if engine.size > 1 else ""
     sizes = result["table_sizes"]
     print(
-        f"rows stored{shard}: {sum(sizes.values()):,} in {len(sizes)} tables ("
+        f"rows stored{result['rows_of']}: {sum(sizes.values()):,} in {len(sizes)} tables ("
         + ", ".join(f"{n} {c:,}" for n, c in sizes.items())
         + ")"
     )

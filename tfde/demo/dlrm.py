@@ -21,7 +21,7 @@ import tfde
 from tfde.demo.clicks import CATEGORICAL, Clicks, auc, dense_baseline_auc
 from tfde.demo.dlrm_net import DLRMNet, dataset, feature_dict
 from tfde.demo.engines import Engine
-from tfde.demo.two_tower import ExamplesPerSecond, make_optimizer
+from tfde.demo.two_tower import ExamplesPerSecond, make_optimizer, whose_rows
 
 
 class DLRM(DLRMNet):
@@ -78,8 +78,14 @@ class DLRM(DLRMNet):
             return [out[name] for name in self.feature_names]
         return [layer(features[name], training=training) for layer, name in zip(self.tables, self.feature_names)]
 
+    def first_table(self):
+        """The first table's variable (they all live in one kind of store)."""
+        if self.layers_kind == "collection":
+            return next(iter(self.embedding.variables_by_table.values()))[0]
+        return self.tables[0].params
+
     def table_sizes(self) -> dict:
-        """Rows stored per table (with several workers: this worker's share)."""
+        """Rows stored per table (with several workers: whose_rows says which)."""
         if self.layers_kind == "collection":
             return {name: int(sum(int(v.size()) for v in vs)) for name, vs in self.embedding.variables_by_table.items()}
         return {layer.name: int(layer.params.size()) for layer in self.tables}
@@ -115,6 +121,7 @@ def train(
     if features != CATEGORICAL[: len(features)]:
         raise tfde.ConfigError(f"features must be the first N of {CATEGORICAL}, got {features}")
     engine = engine or Engine(None)
+    engine.steps_per_epoch(data.num_train, batch_size)  # refuses data with no full batch, before any table exists
     if not engine.chief:
         verbose = 0
     tf.keras.utils.set_random_seed(seed)
@@ -159,6 +166,7 @@ def train(
         "auc": auc(data.test_labels, scores),
         "dense_baseline_auc": dense_baseline_auc(data, seed),
         "table_sizes": model.table_sizes(),
+        "rows_of": whose_rows(engine, model.first_table()),
         "plan": str(model.embedding.plan) if layers == "collection" else None,
         "workers": engine.size,
         "exchange": None if exchanged is None else {"steps": num_steps, "fit_seconds": fit_seconds, **exchanged},

@@ -61,9 +61,18 @@ class Engine:
         return array[self.rank :: self.size]
 
     def steps_per_epoch(self, num_examples: int, batch_size: int) -> int:
-        """The same on every worker (a synchronous job must not have one
-        worker wait for a step the others never take)."""
-        return max(1, (num_examples // self.size) // batch_size)
+        """Full batches an epoch, the same on every worker (a synchronous
+        job must not have one worker wait for a step the others never
+        take).  Data that makes no full batch is refused: Keras would
+        train no step and fail on its empty logs."""
+        steps = (num_examples // self.size) // batch_size
+        if steps < 1:
+            share = f" ({num_examples // self.size:,} for each of {self.size} workers)" if self.size > 1 else ""
+            raise ConfigError(
+                f"{num_examples:,} training examples{share} make no full batch of {batch_size:,}: "
+                "lower the batch size (tfde train --batch-size) or train on more data"
+            )
+        return steps
 
     def dataset(self, make):
         """What model.fit gets: make() builds this worker's tf.data pipeline."""

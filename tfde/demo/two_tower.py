@@ -114,9 +114,18 @@ def most_popular_recall(data: Interactions, k: int = 100, max_eval: int = 20_000
     return float(np.mean([int(t) in top for t in targets]))
 
 
+def whose_rows(engine, var) -> str:
+    """What a worker's count of `var`'s rows covers, for the summaries: in a
+    job, its own tables hold its shard of the keys, while a store all
+    workers share (Redis, docs/redis.md) holds every worker's."""
+    if engine.size == 1:
+        return ""
+    return " (all workers: a shared store)" if var.shared_between_workers else " (worker 0's shard)"
+
+
 class TableSizes(tf.keras.callbacks.Callback):
     """Prints the rows stored per table at the end of every epoch (with
-    several workers: this worker's shard)."""
+    several workers: whose_rows says which)."""
 
     def __init__(self, label="table rows"):
         super().__init__()
@@ -200,6 +209,7 @@ def train(
     With several workers each trains on its share of the data with batch_size
     examples per step; only the chief (worker 0) prints."""
     engine = engine or Engine(None)
+    engine.steps_per_epoch(data.num_train, batch_size)  # refuses data with no full batch, before any table exists
     if not engine.chief:
         verbose = 0
     tf.keras.utils.set_random_seed(seed)
@@ -221,7 +231,7 @@ def train(
             loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     rate = ExamplesPerSecond(batch_size * engine.size, verbose=bool(verbose))
-    sizes = TableSizes("table rows" if engine.size == 1 else "table rows of worker 0's shard")
+    sizes = TableSizes("table rows" + whose_rows(engine, model.user_embedding.params))
     callbacks = [sizes] + engine.callbacks() if verbose else engine.callbacks()
     if max_rows:
         # Trim to 90% when a table passes max_rows, so restriction (a scan of
@@ -249,8 +259,9 @@ def train(
         "examples_per_s": float(np.median(rate.rates)),
         f"recall@{k}": recall,
         f"most_popular_recall@{k}": baseline,
-        "user_rows": int(model.user_embedding.params.size()),  # this worker's shard
+        "user_rows": int(model.user_embedding.params.size()),
         "item_rows": int(model.item_embedding.params.size()),
+        "rows_of": whose_rows(engine, model.user_embedding.params),  # which workers' rows these counts are
         "workers": engine.size,
         "chief": engine.chief,
         # With tfde.exchange.enable_stats(): this worker's exchange traffic per training step.
