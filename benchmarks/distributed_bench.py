@@ -42,6 +42,10 @@ def parse(out: str) -> dict:
     m = re.search(r"final loss ([\d.]+), ([\d,]+) examples/s", out)
     if m:
         r["loss"], r["examples_per_s"] = float(m.group(1)), float(m.group(2).replace(",", ""))
+    m = re.search(r"rows stored(?: \((.*)\))?: ([\d,]+) users, ([\d,]+) items", out)
+    if m:  # in a job: worker 0's shard of sharded tables, or a shared store's every row
+        r["rows"] = int(m.group(2).replace(",", "")) + int(m.group(3).replace(",", ""))
+        r["rows_of"] = m.group(1) or "the only worker"
     m = re.search(r"held-out recall@100: ([\d.]+)", out)
     if m:
         r["recall"] = float(m.group(1))
@@ -166,7 +170,7 @@ def main(argv=None) -> int:
     )
     print(
         f"{'run':<20}{'layout':<16}{'examples/s':>11}{'KiB/step':>10}{'exchange ms/step':>18}{'step ms':>9}"
-        f"{'recall@100':>11}"
+        f"{'recall@100':>11}  rows stored"
     )
     for r in results:
         kib = f"{r['kib_per_step']:,.0f}" if "kib_per_step" in r and r["run"] != "1 worker" else "-"
@@ -174,7 +178,7 @@ def main(argv=None) -> int:
         step = f"{r['step_ms']:.1f}" if "step_ms" in r else "-"
         print(
             f"{r['run']:<20}{r['layout']:<16}{r.get('examples_per_s', 0):>11,.0f}{kib:>10}{ms:>18}{step:>9}"
-            f"{r.get('recall', 0):>11.4f}"
+            f"{r.get('recall', 0):>11.4f}  {r.get('rows', 0):,} ({r.get('rows_of', '?')})"
         )
     path = write_results("distributed", {"machine": info, "interactions": args.interactions, "runs": results})
     print(f"\nwritten: {path.relative_to(HERE.parent)}")

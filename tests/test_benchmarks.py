@@ -105,6 +105,9 @@ def test_distributed_bench_quick_with_both_engines():
     out = _bench("benchmarks.distributed_bench", "--quick", "--horovod-python", horovod, timeout=1200)
     for run in ("2 workers MWMS", "2 workers Horovod"):
         assert run in out, (run, out[-2000:])
+    # What the rows counted cover: all a shared Redis store holds, worker 0's shard of sharded tables.
+    assert re.search(r"2 workers MWMS +shared Redis .* [\d,]+ \(all workers: a shared store\)", out), out[-2000:]
+    assert re.search(r"2 workers Horovod +sharded cuckoo .* [\d,]+ \(worker 0's shard\)", out), out[-2000:]
 
 
 def test_semi_sync_bench_quick_and_again_from_its_results():

@@ -141,5 +141,6 @@ def test_two_workers_make_the_same_collectives_per_step_for_2_or_26_features(tmp
         ["--features", "5", "--layers", "per-feature"],
     )
     assert two == many == 4.0, (out2[-2000:], out26[-2000:])
+    assert re.search(r"rows stored \(worker 0's shard\): [\d,]+ in 26 tables", out26), out26[-2000:]
     assert re.search(r"held-out AUC: ([\d.]+)", out26)
     assert per_feature == 5 * 3 + 1
