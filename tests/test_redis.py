@@ -62,6 +62,9 @@ def test_config_from_env_and_dict(monkeypatch):
         ('{"redis_connection_mode": 5}', "redis_connection_mode must be 0 \\(cluster\\), 1 \\(sentinel\\) or 2"),
         ('{"storage_slice": 3, "redis_hash_tags_runtime": ["{1}", "{2}"]}', "has 2 tags for 3 buckets"),
         ('{"redis_hash_tags_runtime": ["x"]}', "is not a Redis hash tag"),
+        # One hash for two buckets stored every key twice: size() 40 after 20 keys, each exported twice.
+        ('{"storage_slice": 2, "redis_hash_tags_runtime": ["{1}", "{1}"]}', r"names \['\{1\}'\] for more than one"),
+        ('{"storage_slice_import": 2, "redis_hash_tags_import": ["{a}", "{a}"]}', "redis_hash_tags_import names"),
         ('{"redis_password": 12345}', "redis_password must be a str, got <hidden>"),
     ],
 )

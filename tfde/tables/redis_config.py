@@ -198,6 +198,12 @@ class RedisTableConfig:
                     raise ConfigError(
                         f'{tags_name} entry {tag!r} is not a Redis hash tag; expected the form "{{name}}"'
                     )
+            twice = sorted({t for t in tags if tags.count(t) > 1})
+            if twice:  # two buckets would share one Redis hash: every key counted and exported twice
+                raise ConfigError(
+                    f"{tags_name} names {twice} for more than one bucket; expected a different tag per bucket "
+                    f"(each bucket is its own Redis hash), e.g. {[f'{{{i}}}' for i in range(slices)]}"
+                )
         if self.table_store_mode not in (0, 1, 2):
             raise ConfigError(f"table_store_mode must be 0, 1 or 2, got {self.table_store_mode}")
         if not self.model_tag_runtime:
