@@ -123,6 +123,62 @@ def test_restore_into_another_dim_is_refused(tmp_path):
         tf.train.Checkpoint(var=other).restore(path)
 
 
+def _two_table_model(dims, learning_rate):
+    """Two tables; each tower's score is its row's sum, so no dense weight
+    depends on a table's dim."""
+    ids = {name: K.Input(shape=(), dtype=tf.int64, name=name) for name in ("user", "item")}
+    scores = [
+        K.layers.Lambda(lambda x: tf.reduce_sum(x, axis=1, keepdims=True))(
+            tfde.keras.layers.Embedding(dims[name], key_dtype=tf.int64, name=f"r-{name}")(ids[name])
+        )
+        for name in ("user", "item")
+    ]
+    model = K.Model(ids, K.layers.Dense(1, name="r-out")(K.layers.Concatenate()(scores)))
+    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(K.optimizers.Adam(learning_rate)), loss="mse")
+    x = {"user": np.arange(64) % 7, "item": np.arange(64) % 5}
+    model.fit(x, np.ones(64, "float32"), batch_size=16, verbose=0)
+    return model
+
+
+def _rows(model, name):
+    var = model.get_layer(name).params
+    return {int(k): r for keys, rows in var.export() for k, r in zip(keys.numpy(), rows.numpy())}
+
+
+@pytest.mark.keras
+@pytest.mark.parametrize("changed", ["user", "item"])
+def test_a_restore_refused_by_one_table_changes_no_table_and_no_dense_variable(tmp_path, changed):
+    """One table's dim changed between runs: the restore is refused, and
+    neither the other table (whichever is restored first) nor the step,
+    the learning rate or the dense weights take the checkpoint's values
+    (TensorFlow restores dense variables before tfde's tables)."""
+    saved = _two_table_model({"user": 4, "item": 4}, learning_rate=0.5)
+    tfde.CheckpointManager(str(tmp_path / "ck"), model=saved, optimizer=saved.optimizer).save()
+    model = _two_table_model({"user": 4, "item": 4, changed: 8}, learning_rate=0.001)
+    before = (
+        int(model.optimizer.iterations),
+        float(model.optimizer.learning_rate),
+        [w.copy() for w in model.get_layer("r-out").get_weights()],
+        {name: _rows(model, name) for name in ("r-user", "r-item")},
+    )
+    # Keras 3: tfde's error.  tf-keras tracks the layer's step buffer (shape [None, dim]) as a weight, and
+    # TensorFlow refuses its saved shape first: "incompatible tensor with shape (0, 4) ... step_rows".
+    with pytest.raises(
+        (tfde.CheckpointError, ValueError),
+        match=f"'r-{changed}' was saved with rows of dim 4 .* holds dim 8|shape \\(0, 4\\) .*r-{changed}/step_rows",
+    ):
+        tfde.CheckpointManager(str(tmp_path / "ck"), model=model, optimizer=model.optimizer).restore()
+    assert int(model.optimizer.iterations) == before[0] == 4
+    assert float(model.optimizer.learning_rate) == before[1]
+    for got, want in zip(model.get_layer("r-out").get_weights(), before[2]):
+        np.testing.assert_array_equal(got, want)
+    for name, rows_before in before[3].items():
+        rows = _rows(model, name)
+        assert rows.keys() == rows_before.keys(), name
+        for k in rows:
+            np.testing.assert_array_equal(rows[k], rows_before[k], name)
+
+
 def test_large_tables_are_written_in_chunks(tmp_path, monkeypatch):
     """A table larger than one chunk is written as several bundle tensors
     (saving needs memory for a chunk, not the table) and reads back whole."""

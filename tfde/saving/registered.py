@@ -79,9 +79,14 @@ def _restore(trackables, merged_prefix):
     trackables = {name: var for name, var in trackables.items() if getattr(var, "_update_uid", None) not in _refused}
     prefix = _eager_path(merged_prefix, "restored")
     sources = _sources.get(prefix) or [(prefix, prefix)]
+
+    def readers(object_name):
+        return [fmt.BundleReader(p, fmt.base_name(object_name), where) for p, where in sources]
+
+    for object_name, var in sorted(trackables.items()):  # a mismatch in any of them: no table changes
+        state.check_compatible(var, readers(object_name))
     for object_name, var in sorted(trackables.items()):
-        base = fmt.base_name(object_name)
-        state.restore_variable(var, [fmt.BundleReader(p, base, where) for p, where in sources])
+        state.restore_variable(var, readers(object_name))
 
 
 OPTIMIZER_SLOTS = "tfde_slots"  # the checkpoint name of an optimizer's OptimizerSlots

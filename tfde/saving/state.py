@@ -111,6 +111,16 @@ def _check_compatible(var, meta: fmt.VariableMeta, where: str) -> None:
         )
 
 
+def check_compatible(var, readers: Sequence[fmt.ChunkReader]) -> None:
+    """Raises CheckpointError when `var`'s keys, dim or dtype differ from
+    what the checkpoint saved for it (its metadata only): run for every
+    Variable of a restore before the first one changes."""
+    for reader in readers:
+        meta = reader.meta()
+        if meta is not None:
+            _check_compatible(var, meta, reader.where)
+
+
 def _check_complete(metas: Sequence[Tuple[str, fmt.VariableMeta]], rank: int, size: int) -> None:
     """Refuses shards of local tables that miss some writer's part.  One
     shard is enough for the worker that wrote it, in a job of as many
