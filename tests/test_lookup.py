@@ -69,6 +69,49 @@ def test_sparse_weights():
     )
 
 
+SPARSE_SPEC = tf.SparseTensorSpec([None, None], tf.int64)
+WEIGHT_SPEC = tf.SparseTensorSpec([None, None], tf.float32)
+IDS = tf.SparseTensor([[0, 0], [0, 1], [1, 0]], tf.constant([1, 2, 3], tf.int64), [2, 2])
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "function of any shape"])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        tf.SparseTensor([[0, 0], [1, 0], [1, 1]], [1.0, 2.0, 3.0], [2, 2]),  # other positions, same count
+        tf.SparseTensor([[0, 0], [0, 1], [1, 0]], [1.0, 2.0, 3.0], [5, 7]),  # another dense_shape
+        tf.SparseTensor([[0, 0]], [1.0], [2, 2]),  # fewer weights than ids
+    ],
+    ids=["positions", "dense_shape", "count"],
+)
+def test_sparse_weights_at_other_positions_than_the_ids_are_refused(weights, mode):
+    # They were paired with the ids by their order alone: the first case gave the result of matching weights.
+    v = _var_with_rows()
+    lookup = lambda ids, w: tfde.embedding_lookup_sparse(v, ids, w, combiner="sum")  # noqa: E731
+    if mode == "function":
+        lookup = tf.function(lookup)
+    elif mode == "function of any shape":
+        lookup = tf.function(lookup, input_signature=[SPARSE_SPEC, WEIGHT_SPEC])
+    error = tfde.ShapeError if mode == "eager" else tf.errors.InvalidArgumentError
+    with pytest.raises(error, match="sp_weights must have the same indices and dense_shape as sp_ids"):
+        lookup(IDS, weights)
+    good = tf.SparseTensor(IDS.indices, [1.0, 2.0, 3.0], IDS.dense_shape)
+    np.testing.assert_allclose(lookup(IDS, good), [[1.0, 4.0], [9.0, 9.0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_sparse_ids_outside_their_batch_and_ragged_weights_of_other_rows_are_refused(mode):
+    v = _var_with_rows()
+    run = (lambda f: f()) if mode == "eager" else (lambda f: tf.function(f)())
+    error = tfde.ShapeError if mode == "eager" else tf.errors.InvalidArgumentError
+    outside = tf.SparseTensor([[5, 0]], tf.constant([1], tf.int64), [2, 2])
+    with pytest.raises(error, match="sp_ids has an index whose row is outside its dense_shape"):
+        run(lambda: tfde.embedding_lookup_sparse(v, outside))
+    ids = tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)
+    with pytest.raises(error, match="weights must have the row lengths of ragged_ids"):
+        run(lambda: tfde.embedding_lookup_ragged(v, ids, "sum", weights=tf.ragged.constant([[1.0], [2.0, 1.0]])))
+
+
 def test_ragged_without_combiner_keeps_ragged_shape():
     v = _var_with_rows()
     out = tfde.embedding_lookup_ragged(

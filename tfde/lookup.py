@@ -102,6 +102,55 @@ def _combine(rows, segment_ids, num_segments, weights, combiner):
     return tf.math.divide_no_nan(summed, denom[:, None])
 
 
+def _require(condition, message: str):
+    """Eagerly: raises ShapeError(message) unless `condition` holds.  In a
+    graph: an assert op (InvalidArgumentError with the message when it
+    runs) for the caller's control dependencies."""
+    if tf.executing_eagerly():
+        if not bool(condition):
+            raise ShapeError(message)
+        return tf.no_op()
+    return tf.debugging.Assert(condition, [message])
+
+
+def _same(a, b):
+    """Whether a and b (int64) have the same shape and values."""
+    if a.shape.rank != b.shape.rank:
+        return tf.constant(False)
+    if a.shape.is_fully_defined() and b.shape.is_fully_defined():  # tf.cond would trace a reshape that cannot be
+        return tf.reduce_all(tf.equal(a, b)) if a.shape == b.shape else tf.constant(False)
+    return tf.cond(
+        tf.reduce_all(tf.equal(tf.shape(a), tf.shape(b))),
+        lambda: tf.reduce_all(tf.equal(a, tf.reshape(b, tf.shape(a)))),
+        lambda: tf.constant(False),
+    )
+
+
+def _sparse_checks(sp_ids, sp_weights):
+    """The assertions embedding_lookup_sparse runs before combining: every
+    id's row is within the batch, and weights sit at the ids' positions
+    (they are paired with the ids by position)."""
+    row = sp_ids.indices[:, 0]
+    checks = [
+        _require(
+            tf.reduce_all(tf.logical_and(row >= 0, row < sp_ids.dense_shape[0])),
+            "sp_ids has an index whose row is outside its dense_shape[0] (the batch): the row of every id must be in "
+            "[0, batch)",
+        )
+    ]
+    if sp_weights is not None:
+        checks.append(
+            _require(
+                tf.logical_and(
+                    _same(sp_ids.indices, sp_weights.indices), _same(sp_ids.dense_shape, sp_weights.dense_shape)
+                ),
+                "sp_weights must have the same indices and dense_shape as sp_ids (one weight at the "
+                "position of each id); give a weight for every id, in the same order",
+            )
+        )
+    return checks
+
+
 def embedding_lookup_sparse(
     var: Variable,
     sp_ids: tf.SparseTensor,
@@ -121,8 +170,11 @@ def embedding_lookup_sparse(
         raise ShapeError(f"sp_ids must be a tf.SparseTensor, got {type(sp_ids).__name__}")
     if sp_ids.shape.rank is not None and sp_ids.shape.rank != 2:
         raise ShapeError(f"sp_ids must be 2-D [batch, ids], got rank {sp_ids.shape.rank}")
+    if sp_weights is not None and not isinstance(sp_weights, tf.SparseTensor):
+        raise ShapeError(f"sp_weights must be None or a tf.SparseTensor like sp_ids, got {type(sp_weights).__name__}")
     with tf.name_scope(name or "tfde_embedding_lookup_sparse"):
-        rows = _rows_for_unique(var, var._keys(sp_ids.values), training)
+        with tf.control_dependencies(_sparse_checks(sp_ids, sp_weights)):  # before any row is read or made
+            rows = _rows_for_unique(var, var._keys(sp_ids.values), training)
         segments = tf.cast(sp_ids.indices[:, 0], tf.int32)
         batch = tf.cast(sp_ids.dense_shape[0], tf.int32)
         weights = None if sp_weights is None else sp_weights.values
@@ -156,5 +208,16 @@ def embedding_lookup_ragged(
             )
         segments = tf.cast(ragged_ids.value_rowids(), tf.int32)
         batch = tf.cast(ragged_ids.nrows(), tf.int32)
-        w = None if weights is None else weights.flat_values
+        w = None
+        if weights is not None:
+            if not isinstance(weights, tf.RaggedTensor):
+                raise ShapeError(
+                    f"weights must be None or a tf.RaggedTensor like ragged_ids, got {type(weights).__name__}"
+                )
+            same = _require(
+                _same(tf.cast(ragged_ids.row_splits, tf.int64), tf.cast(weights.row_splits, tf.int64)),
+                "weights must have the row lengths of ragged_ids (one weight per id, in the same rows)",
+            )
+            with tf.control_dependencies([same]):
+                w = tf.identity(weights.flat_values)
         return _combine(rows, segments, batch, w, combiner)
