@@ -202,6 +202,22 @@ def test_keras_fit_refuses_ids_that_would_wrap_and_changes_nothing(dtype, value)
     assert int(layer.params.size()) == 2
 
 
+@pytest_keras
+def test_a_sequential_without_an_input_refuses_int64_ids_beyond_its_int32_table():
+    """Keras 3 casts a Sequential's data to its first layer's dtype before
+    the layer runs: an int32 policy wrapped 2**40 + 1 to key 1 and trained
+    it.  Integer tables take int64 data, which the layer checks."""
+    layer = int32_layer("emb_seq")
+    model = tf.keras.Sequential([layer, tf.keras.layers.Dense(1)])
+    model.compile(optimizer=tfde.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(1.0)), loss="mse")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="ids for table emb_seq .* key dtype int32"):
+        model.fit(np.array([2**40 + 1] * 4, np.int64), np.ones([4, 1]), batch_size=2, verbose=0)
+    assert int(layer.params.size()) == 1 and layer.params.lookup([1]).numpy().tolist() == ROW
+    model.fit(np.array([1, 2, 3, 2**31 - 1], np.int64), np.ones([4, 1]), batch_size=2, verbose=0)
+    keys = [int(k) for chunk, _ in layer.params.export() for k in chunk.numpy()]
+    assert sorted(keys) == [1, 2, 3, 2**31 - 1]
+
+
 # ------------------------------------------------------------ point 16: rows, numpy integers
 
 

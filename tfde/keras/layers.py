@@ -201,7 +201,12 @@ class Embedding(_keras.layers.Layer):
         # policy's dtype itself (Keras 3: 1.7 -> 1 as int32; tf-keras:
         # float64 -> float32, which rounds ids above 2**24) before call()
         # can check them (_ids).
-        policy_dtype = tf.as_dtype(key_dtype if IS_KERAS3 else value_dtype).name
+        # Integer tables take int64 (Keras casts to it exactly from any
+        # narrower int; an int32 policy would wrap 2**40 + 1 to key 1, where
+        # _ids refuses it).  Float ids in a Sequential without an Input are
+        # still cast (truncated) by Keras before call(): docs/guide.md.
+        key_policy = tf.int64 if tf.as_dtype(key_dtype).is_integer else key_dtype
+        policy_dtype = tf.as_dtype(key_policy if IS_KERAS3 else value_dtype).name
         super().__init__(name=name, dtype=policy_dtype, autocast=False, **kwargs)
         if combiner is not None and combiner not in COMBINERS:
             raise ConfigError(f"combiner must be None or one of {COMBINERS}, got {combiner!r}")
