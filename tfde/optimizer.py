@@ -37,7 +37,7 @@ import tensorflow as tf
 from tfde import exchange as _exchange
 from tfde import semi_sync as _semi_sync
 from tfde import step_kernels
-from tfde.errors import ConfigError, UnsupportedOptimizerError
+from tfde.errors import ConfigError, ShapeError, UnsupportedOptimizerError
 from tfde.flavour import flavour_fix, keras_flavour_name
 from tfde.optimizer_rules import RULES, compute_dtype, hp
 from tfde.optimizer_rules import rule_for as _rule_for
@@ -233,6 +233,7 @@ class DynamicEmbeddingMixin:
             values = tf.convert_to_tensor(grad)
             indices = tf.range(tf.shape(values)[0])
         values = tf.ensure_shape(tf.cast(values, compute), [None, var.dim])
+        values = _fitting_the_step(var, grad, indices, values)
         keys, rows = var._keys_buffer.read_value(), var._rows_buffer.read_value()
         return step_kernels.Part(var, keys, tf.cast(indices, tf.int32), values, rows, self._tfde_decays(var))
 
@@ -294,6 +295,7 @@ class DynamicEmbeddingMixin:
                 indices = tf.range(tf.shape(values)[0])
             compute = compute_dtype(var.value_dtype)
             values = tf.ensure_shape(tf.cast(values, compute), [None, var.dim])
+            values = _fitting_the_step(var, grad, indices, values)
             taken.append(var)
             parts.append(_exchange.Gradient(var._keys_buffer.read_value(), indices, values, var.placement))
         if not parts:
@@ -424,6 +426,34 @@ def _sum_of_squares(g):
     so float16 gradients do not overflow)."""
     g = tf.cast(g, tf.float32)
     return tf.reduce_sum(g * g)
+
+
+def _fitting_the_step(var, grad, indices, values):
+    """`values`, once the gradient is known to fit `var`'s step buffer: a
+    row per key this step looked up (or IndexedSlices indices among them).
+    Checked before the buffer is read and emptied, so a gradient of another
+    shape changes nothing and the right one can still be applied: eagerly
+    a ShapeError, in a graph an assert naming the table."""
+    size = var._step_size()
+    if isinstance(grad, tf.IndexedSlices):
+        indices = tf.cast(indices, tf.int32)
+        fits = tf.reduce_all(tf.logical_and(indices >= 0, indices < size))
+        seen = "indices outside"
+    else:
+        fits = tf.equal(tf.shape(values)[0], size)
+        seen = "another number of rows than"
+    message = (
+        f"the gradient of {var.name!r}'s step buffer has {seen} the keys this step looked up; pass the "
+        "gradients tape.gradient returned for the model's trainable variables, unchanged in shape"
+    )
+    if tf.executing_eagerly():
+        if not bool(fits):
+            raise ShapeError(f"{message} (gradient rows {int(tf.shape(values)[0])}, keys {int(size)})")
+        return values
+    with tf.control_dependencies(
+        [tf.debugging.Assert(fits, [message, "gradient rows", tf.shape(values)[0], "keys", size])]
+    ):
+        return tf.identity(values)
 
 
 def _scale_grad(g, scale):
