@@ -221,6 +221,33 @@ def test_a_sequential_without_an_input_refuses_int64_ids_beyond_its_int32_table(
 # ------------------------------------------------------------ point 16: rows, numpy integers
 
 
+@pytest.mark.parametrize(
+    "value_dtype, rows",
+    [
+        (tf.float32, [[1e300, 1.0]]),  # a Python list: TensorFlow's float32 default made it inf
+        (tf.float32, np.array([[1e300, 1.0]])),
+        (tf.float32, tf.constant([[1e300, 1.0]], tf.float64)),
+        (tf.float16, [[1e6, 1.0]]),
+        (tf.float16, tf.constant([[70000, 1]], tf.int64)),
+    ],
+    ids=["list", "numpy", "float64 tensor", "float16 list", "int64 into float16"],
+)
+@pytest.mark.parametrize("mode", ["eager", "tf.function"])
+def test_rows_beyond_the_value_dtype_are_refused_not_stored_as_infinities(value_dtype, rows, mode):
+    v = tfde.Variable("overflow", dim=2, initializer=0.0, value_dtype=value_dtype)
+    v.upsert([5], [[1.0, 2.0]])
+    if mode == "eager":
+        with pytest.raises(tfde.ShapeError, match=f"beyond the range of its value dtype {value_dtype.name}"):
+            v.upsert([1], rows)
+    else:
+        rows = rows if tf.is_tensor(rows) else tf.constant(np.asarray(rows))  # float64, as given
+        with pytest.raises(tf.errors.InvalidArgumentError, match="beyond the range of its value dtype"):
+            tf.function(lambda r: v.upsert([1], r) and None)(rows)
+    assert int(v.size()) == 1
+    v.upsert([1], [[float("nan"), 1.5]])  # NaN and infinities given as such are the caller's to store
+    np.testing.assert_array_equal(v.lookup([1]).numpy(), [[np.nan, 1.5]])
+
+
 def test_a_scalar_for_rows_is_refused_not_broadcast():
     v = int32_variable("scalar_rows")
     with pytest.raises(tfde.ShapeError, match=r"are a scalar; expected shape keys.shape \+ \[2\].* not broadcast"):

@@ -356,6 +356,25 @@ class Variable(tf.Module):
         values.set_shape([None, self.dim])
         return values, exists
 
+    def _cast_in_range(self, values, what):
+        """`values` cast to the value dtype, refused where a finite value
+        would become an infinity (1e300 into float32, 1e6 into float16):
+        eagerly a ShapeError, in a graph an assert.  NaN and infinities
+        given as such are kept."""
+        cast = tf.cast(values, self.value_dtype)
+        finite = tf.math.is_finite(values) if values.dtype.is_floating else tf.ones(tf.shape(values), tf.bool)
+        overflow = tf.reduce_any(tf.logical_and(finite, tf.logical_not(tf.math.is_finite(cast))))
+        message = (
+            f"{what} for {self.name!r} ({values.dtype.name}) hold numbers beyond the range of its value dtype "
+            f"{self.value_dtype.name}, which would be stored as infinities; scale them or use a wider value_dtype"
+        )
+        if tf.executing_eagerly():
+            if bool(overflow):
+                raise ShapeError(message)
+            return cast
+        with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(overflow), [message])]):
+            return tf.identity(cast)
+
     def _rows_arg(self, values, what="values", wider_ok=False):
         """`values` as [n, dim] rows of the value dtype; with wider_ok
         (accum's deltas, which Table.accum adds in the wider type before
@@ -366,12 +385,17 @@ class Variable(tf.Module):
         if wider_ok:
             hint = None if isinstance(values, np.ndarray) else compute_dtype(self.value_dtype)
             values = widened_deltas(tf.convert_to_tensor(values, dtype_hint=hint), self.value_dtype)
+        elif isinstance(values, (list, tuple, float, int, np.ndarray, np.number)):
+            # Python numbers keep float64 until the checked cast below (a
+            # dtype hint would make 1e300 an inf of float32 silently).
+            array = np.asarray(values)
+            values = tf.constant(array) if array.dtype.kind in "fiu" else tf.convert_to_tensor(values)
         else:
             values = tf.convert_to_tensor(values, dtype_hint=self.value_dtype)
         if values.dtype != self.value_dtype and not (wider_ok and values.dtype in (tf.float32, tf.float64)):
             if not (values.dtype.is_floating or values.dtype.is_integer):
                 raise ShapeError(f"{what} for {self.name!r} are {values.dtype.name}, expected {self.value_dtype.name}")
-            values = tf.cast(values, self.value_dtype)
+            values = self._cast_in_range(values, what)
         if values.shape.rank == 0:
             # Refused rather than broadcast: a scalar given for rows is more
             # often a mistake (a row, or the keys, missing) than a wish to
