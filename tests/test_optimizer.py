@@ -221,7 +221,11 @@ def test_a_gradient_that_does_not_fit_the_step_changes_nothing_and_the_right_one
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(tfde.embedding_lookup(var, tf.constant([1, 2], tf.int64), training=True))
     (right,) = tape.gradient(loss, [var.step_buffer])
-    bad = tf.ones([5, 2]) if wrong == "rows" else tf.IndexedSlices(tf.ones([2, 2]), tf.constant([0, 7]), tf.constant([2, 2]))
+    bad = (
+        tf.ones([5, 2])
+        if wrong == "rows"
+        else tf.IndexedSlices(tf.ones([2, 2]), tf.constant([0, 7]), tf.constant([2, 2]))
+    )
     error = tf.errors.InvalidArgumentError if graph else tfde.ShapeError
     with pytest.raises(error, match="step buffer has .* the keys this step looked up"):
         apply([(bad, var.step_buffer)])

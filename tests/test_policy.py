@@ -282,3 +282,35 @@ def test_one_filter_or_policy_instance_per_variable():
     tfde.Variable("pol-a", dim=2, restrict_policy=policy)
     with pytest.raises(tfde.ConfigError, match="restrict_policy=tfde.FrequencyRestrictPolicy"):
         tfde.Variable("pol-b", dim=2, restrict_policy=policy)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: tfde.keras.callbacks.RestrictCallback(max_size=10, num_reserved=100),
+            "num_reserved \\(100\\) is above",
+        ),
+        (lambda: tfde.keras.callbacks.RestrictCallback(every_n_steps=0), "every_n_steps must be an int >= 1, got 0"),
+        (lambda: tfde.keras.callbacks.RestrictCallback(), "RestrictCallback needs every_n_steps=, max_size= or both"),
+        (lambda: tfde.TTLPolicy(ttl_s=float("nan")), "the TTL must be a positive, finite number, got nan"),
+        (lambda: tfde.TTLPolicy(ttl_s=float("inf")), "the TTL must be a positive, finite number, got inf"),
+        (lambda: tfde.TTLPolicy(ttl_steps=1.5), "ttl_steps counts optimizer steps: a whole number, got 1.5"),
+        (lambda: tfde.AutoRestrictor([3], max_size=3), "AutoRestrictor restricts tfde Variables .* got 3"),
+    ],
+    ids=["reserved-above-max", "every-0", "no-trigger", "ttl-nan", "ttl-inf", "ttl-steps-1.5", "not-a-variable"],
+)
+def test_restriction_arguments_that_make_no_schedule_are_refused_when_given(make, message):
+    # They were accepted (a NaN TTL never evicted; 100 reserved of max 10 left 50 rows) or refused only
+    # when model.fit started.
+    with pytest.raises(tfde.ConfigError, match=message):
+        make()
+
+
+def test_a_trigger_below_num_reserved_is_refused_and_changes_nothing():
+    var = tfde.Variable("trigger", dim=2, initializer=0.0, restrict_policy=tfde.FrequencyRestrictPolicy)
+    var.upsert(tf.constant(np.arange(10), tf.int64), tf.ones([10, 2]))
+    with pytest.raises(tfde.ConfigError, match="trigger must be None or an int >= 0 .*got -1"):
+        var.restrict(3, trigger=-1)
+    assert int(var.size()) == 10
+    assert var.restrict(3, trigger=5) == 7 and int(var.size()) == 3

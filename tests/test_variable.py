@@ -194,3 +194,38 @@ def test_a_served_variable_reads_the_serving_tables_and_refuses_writes():
     with pytest.raises(tfde.ConfigError, match="has 2 shards; serve it from 1 table or 2, got 3"):
         with var.serving_from([serving] * 3):
             pass
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(seed=1.5), "seed must be None or an int in \\[-2\\*\\*63, 2\\*\\*63\\), got 1.5"),
+        (dict(seed="abc"), "seed must be .* got 'abc'"),  # was int()'s ValueError
+        (dict(seed=2**70), "seed must be .* got 1180591620717411303424"),  # was an OverflowError
+        (dict(trainable="no"), "trainable must be True or False, got 'no'"),  # was trainable
+        (dict(restrict_policy="frequency"), "restrict_policy must be None or a tfde RestrictPolicy class or instance"),
+        (dict(admission_filter=3), "admission_filter must be None or a tfde AdmissionFilter instance"),
+        (dict(initializer=tf.keras.initializers.RandomUniform(1.0, -1.0)), "needs minval <= maxval"),
+        (dict(initializer=tf.keras.initializers.RandomNormal(stddev=-1.0)), "needs stddev >= 0, got -1.0"),
+    ],
+    ids=lambda x: repr(x)[:40],
+)
+def test_arguments_of_the_wrong_kind_are_refused_by_the_variable(kwargs, message):
+    with pytest.raises(tfde.ConfigError, match=message):
+        tfde.Variable("wrong-kind", dim=2, **kwargs)
+
+
+@pytest.mark.parametrize("chunk_rows", [0, -1, 1.5, None])
+def test_export_refuses_chunk_sizes_that_are_not_positive_ints(chunk_rows):
+    var = tfde.Variable("chunks", dim=2, initializer=0.0)
+    var.upsert([1, 2, 3], tf.ones([3, 2]))
+    with pytest.raises(tfde.ConfigError, match=f"chunk_rows must be an int >= 1, got {chunk_rows}"):
+        var.export(chunk_rows)  # at the call, before any chunk is asked for
+    assert [len(k) for k, _ in var.export(np.int64(2))] == [2, 1]
+
+
+def test_a_checkpoint_manager_of_a_none_object_is_refused(tmp_path):
+    model = tf.keras.Sequential([tfde.keras.layers.Embedding(2, name="none-opt")])
+    optimizer = getattr(model, "optimizer", None)  # tf-keras: None until compile(); Keras 3: no attribute yet
+    with pytest.raises(tfde.ConfigError, match="CheckpointManager got None for optimizer; pass the objects"):
+        tfde.CheckpointManager(str(tmp_path), model=model, optimizer=optimizer)  # TensorFlow failed at save()

@@ -48,6 +48,10 @@ class InitSpec:
         for name in ("p0", "p1"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"initializer parameter {name}={getattr(self, name)} is not finite")
+        if self.kind == "uniform" and self.p0 > self.p1:
+            raise ConfigError(f"a uniform initializer needs minval <= maxval, got minval {self.p0} > maxval {self.p1}")
+        if self.kind in ("normal", "truncated_normal") and self.p1 < 0:
+            raise ConfigError(f"a {self.kind} initializer needs stddev >= 0, got {self.p1}")
 
     def attrs(self) -> dict:
         """Keyword attributes of the native ops."""

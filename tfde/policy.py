@@ -207,6 +207,11 @@ class _ScoredPolicy(RestrictPolicy):
             or num_reserved < 0
         ):
             raise ConfigError(f"num_reserved must be an int >= 0, got {num_reserved!r}")
+        if trigger is not None and (isinstance(trigger, bool) or not isinstance(trigger, int) or trigger < 0):
+            raise ConfigError(
+                f"trigger must be None or an int >= 0 (restriction runs when a table holds more than trigger "
+                f"keys), got {trigger!r}"
+            )
         trigger = num_reserved if trigger is None else trigger
         view = _WorkerView(self.variable)
         if view.size() <= trigger:
@@ -319,8 +324,10 @@ class TTLPolicy(TimestampRestrictPolicy):
         if (ttl_steps is None) == (ttl_s is None):
             raise ConfigError("TTLPolicy needs exactly one of ttl_steps= or ttl_s=")
         value = ttl_steps if ttl_steps is not None else ttl_s
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"the TTL must be a positive number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ConfigError(f"the TTL must be a positive, finite number, got {value!r}")
+        if ttl_steps is not None and not float(ttl_steps).is_integer():
+            raise ConfigError(f"ttl_steps counts optimizer steps: a whole number, got {ttl_steps!r}")
         super().__init__(clock="step" if ttl_steps is not None else "wall")
         self.ttl = float(value)
         self._latest_step = None
@@ -353,6 +360,22 @@ class TTLPolicy(TimestampRestrictPolicy):
         return self._remove(keys[scores < now - self.ttl])
 
 
+def check_schedule(every_n_steps, max_size, num_reserved, who: str) -> None:
+    """ConfigError unless the arguments of AutoRestrictor (and of the
+    RestrictCallback that makes one) make a schedule: positive ints, at
+    least one trigger, and no more keys kept than max_size allows."""
+    if every_n_steps is None and max_size is None:
+        raise ConfigError(f"{who} needs every_n_steps=, max_size= or both")
+    for name, value in (("every_n_steps", every_n_steps), ("max_size", max_size), ("num_reserved", num_reserved)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    if max_size is not None and num_reserved is not None and num_reserved > max_size:
+        raise ConfigError(
+            f"num_reserved ({num_reserved}) is above max_size ({max_size}): a table trimmed to num_reserved keys "
+            "would still be over max_size; give num_reserved <= max_size (e.g. 90% of it)"
+        )
+
+
 class AutoRestrictor:
     """Applies restriction automatically in a custom training loop: call
     after_step(step) after every optimizer step.
@@ -376,13 +399,13 @@ class AutoRestrictor:
         max_size: Optional[int] = None,
         num_reserved: Optional[int] = None,
     ) -> None:
+        from tfde.variable import Variable
+
         self.variables = list(variables)
-        if every_n_steps is None and max_size is None:
-            raise ConfigError("AutoRestrictor needs every_n_steps=, max_size= or both")
-        for name, value in (("every_n_steps", every_n_steps), ("max_size", max_size), ("num_reserved", num_reserved)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        check_schedule(every_n_steps, max_size, num_reserved, "AutoRestrictor")
         for v in self.variables:
+            if not isinstance(v, Variable):
+                raise ConfigError(f"AutoRestrictor restricts tfde Variables (e.g. layer.params), got {v!r}")
             if v.restrict_policy is None:
                 raise ConfigError(
                     f"Variable {v.name!r} has no restrict_policy; create it with one, e.g. "

@@ -92,6 +92,28 @@ def next_training_step() -> tf.Operation:
     return _STEPS[0].assign_add(1) if _STEPS else tf.no_op()
 
 
+def _check_arguments(seed, trainable, restrict_policy, admission_filter) -> None:
+    """ConfigError for Variable arguments of the wrong kind, before any
+    table is made (int('abc'), bool('no') and a str policy failed or passed
+    far from the cause)."""
+    from tfde.admission import AdmissionFilter
+    from tfde.policy import RestrictPolicy
+
+    number = int_arg(seed)
+    if seed is not None and (number is None or not -(2**63) <= number < 2**63):
+        raise ConfigError(f"seed must be None or an int in [-2**63, 2**63), got {seed!r}")
+    if not isinstance(trainable, (bool, np.bool_)):
+        raise ConfigError(f"trainable must be True or False, got {trainable!r}")
+    for arg, value, kind, example in (
+        ("restrict_policy", restrict_policy, RestrictPolicy, "tfde.FrequencyRestrictPolicy"),
+        ("admission_filter", admission_filter, AdmissionFilter, "tfde.CounterFilter(min_count=2)"),
+    ):
+        is_class = isinstance(value, type) and issubclass(value, kind)
+        if value is not None and not (isinstance(value, kind) or (is_class and arg == "restrict_policy")):
+            what = "class or instance" if arg == "restrict_policy" else "instance"
+            raise ConfigError(f"{arg} must be None or a tfde {kind.__name__} {what} (e.g. {example}), got {value!r}")
+
+
 class Variable(tf.Module):
     """A dynamic embedding table.
 
@@ -164,6 +186,7 @@ class Variable(tf.Module):
         if shards is None or shards < 1:
             raise ConfigError(f"num_shards must be an int >= 1, got {num_shards!r}")
         self.num_shards = num_shards = shards
+        _check_arguments(seed, trainable, restrict_policy, admission_filter)
         self.seed = _init.default_seed_for(name, seed)
         self.initializer = _init.resolve(initializer, dim, self.seed)
         self.table_creator = table_creator if table_creator is not None else CuckooTableCreator()
@@ -568,8 +591,10 @@ class Variable(tf.Module):
     def export(self, chunk_rows: int = DEFAULT_EXPORT_CHUNK_ROWS) -> Iterator[Tuple[tf.Tensor, tf.Tensor]]:
         """Eager iterator over (keys [m], rows [m, dim]) chunks of at most
         chunk_rows, shard after shard."""
-        for t in self._tables:
-            yield from t.export(chunk_rows)
+        rows = int_arg(chunk_rows)
+        if rows is None or rows < 1:
+            raise ConfigError(f"chunk_rows must be an int >= 1, got {chunk_rows!r}")
+        return (chunk for t in self._tables for chunk in t.export(rows))
 
     def max_value(self, floor: float) -> float:
         """The largest value any stored row holds, or `floor` when it is

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfde import exchange, semi_sync
 from tfde.errors import ConfigError
-from tfde.policy import AutoRestrictor
+from tfde.policy import AutoRestrictor, check_schedule
 from tfde.saving import CheckpointManager
 from tfde.variable import model_variables
 
@@ -40,6 +40,7 @@ class RestrictCallback(tf.keras.callbacks.Callback):
         variables: Optional[Sequence[Any]] = None,
     ) -> None:
         super().__init__()
+        check_schedule(every_n_steps, max_size, num_reserved, "RestrictCallback")  # here, not when fit starts
         self._args = dict(every_n_steps=every_n_steps, max_size=max_size, num_reserved=num_reserved)
         self._variables = variables
         self.restrictor = None

@@ -164,6 +164,12 @@ class CheckpointManager:
                 "CheckpointManager needs the objects to save, e.g. "
                 "CheckpointManager(dir, model=model, optimizer=model.optimizer)"
             )
+        missing = sorted(name for name, obj in objects.items() if obj is None)
+        if missing:  # e.g. model.optimizer before compile(): TensorFlow failed at the first save
+            raise ConfigError(
+                f"CheckpointManager got None for {', '.join(missing)}; pass the objects themselves (a model's "
+                "optimizer exists once the model is compiled)"
+            )
         if max_to_keep is not None and (
             isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
         ):
