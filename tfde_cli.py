@@ -36,8 +36,8 @@ def _at_least(low, kind=int):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an int' if kind is int else 'a number'}, got {text!r}")
-        if not value >= low:  # NaN too
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if not low <= value < float("inf"):  # NaN too
+            raise argparse.ArgumentTypeError(f"must be >= {low} and finite, got {text}")
         return value
 
     return convert
@@ -111,13 +111,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--policy", choices=["frequency", "timestamp"], help="restrict policy of the tables")
     t.add_argument(
         "--max-rows",
-        type=int,
+        type=_at_least(1),
         help="keep each table at most this many rows (restricted after "
         "every batch; implies --policy frequency if none is given)",
     )
     t.add_argument(
         "--min-count",
-        type=int,
+        type=_at_least(1),
         help="admit a key only in the step it is seen for the min-count-th time (tfde.CounterFilter)",
     )
     t.add_argument(

@@ -170,16 +170,19 @@ def test_a_configuration_tfde_refuses_is_a_one_line_usage_error(tmp_path, capsys
 @pytest.mark.parametrize(
     "flag, value, seen",
     [
-        ("--batch-size", "0", "must be >= 1, got 0"),  # was taken for the default, 1024
-        ("--dim", "0", "must be >= 1, got 0"),  # likewise (64)
-        ("--epochs", "0", "must be >= 1, got 0"),  # trained nothing, then a KeyError traceback
-        ("--learning-rate", "-1", "must be >= 0.0, got -1"),  # trained away from the data
-        ("--learning-rate", "nan", "must be >= 0.0, got nan"),
-        ("--k", "0", "must be >= 1, got 0"),  # a recall@0
-        ("--users", "0", "must be >= 1, got 0"),  # a numpy traceback
-        ("--examples", "99", "must be >= 100, got 99"),  # (dlrm's synthetic log) a ValueError traceback
+        ("--batch-size", "0", "must be >= 1 and finite, got 0"),  # was taken for the default, 1024
+        ("--dim", "0", "must be >= 1 and finite, got 0"),  # likewise (64)
+        ("--epochs", "0", "must be >= 1 and finite, got 0"),  # trained nothing, then a KeyError traceback
+        ("--learning-rate", "-1", "must be >= 0.0 and finite, got -1"),  # trained away from the data
+        ("--learning-rate", "nan", "must be >= 0.0 and finite, got nan"),
+        ("--k", "0", "must be >= 1 and finite, got 0"),  # a recall@0
+        ("--users", "0", "must be >= 1 and finite, got 0"),  # a numpy traceback
+        ("--examples", "99", "must be >= 100 and finite, got 99"),  # (dlrm's synthetic log) a ValueError traceback
+        ("--learning-rate", "inf", "must be >= 0.0 and finite, got inf"),
+        ("--max-rows", "0", "must be >= 1 and finite, got 0"),  # was taken for no limit
+        ("--min-count", "0", "must be >= 1 and finite, got 0"),  # likewise
         ("--workers", "two", "expected an int, got 'two'"),
-        ("--sync-every", "0", "must be >= 1, got 0"),
+        ("--sync-every", "0", "must be >= 1 and finite, got 0"),
     ],
 )
 def test_a_number_out_of_range_is_a_usage_error_before_anything_runs(flag, value, seen, capsys):

@@ -108,8 +108,10 @@ def test_sparse_ids_outside_their_batch_and_ragged_weights_of_other_rows_are_ref
     with pytest.raises(error, match="sp_ids has an index whose row is outside its dense_shape"):
         run(lambda: tfde.embedding_lookup_sparse(v, outside))
     ids = tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)
+    weights = tf.ragged.constant([[1.0], [2.0, 1.0]])
     with pytest.raises(error, match="weights must have the row lengths of ragged_ids"):
-        run(lambda: tfde.embedding_lookup_ragged(v, ids, "sum", weights=tf.ragged.constant([[1.0], [2.0, 1.0]])))
+        run(lambda: tfde.embedding_lookup_ragged(v, ids, "sum", weights=weights, training=True))
+    assert int(v._step_size()) == 0  # refused before the lookup
 
 
 def test_ragged_without_combiner_keeps_ragged_shape():

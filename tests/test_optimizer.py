@@ -211,26 +211,31 @@ def test_nan_gradients_leave_their_rows_untouched():
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("kind", ["SGD", "Adam"])  # Adam: the fused kernel; SGD with momentum 0.5: Python rule
-@pytest.mark.parametrize("wrong", ["rows", "indices"])
+@pytest.mark.parametrize("wrong", ["rows", "indices", "values"])
 def test_a_gradient_that_does_not_fit_the_step_changes_nothing_and_the_right_one_still_applies(kind, wrong, graph):
     # It failed inside the native apply ("indices[2] = 2 is outside the 2 keys") after the step buffer was
     # emptied, so the right gradients then failed too: the step's lookups were lost.
     var = tfde.Variable(f"fit-{kind}-{wrong}-{graph}", dim=2, initializer=1.0)
     opt = tfde.DynamicEmbeddingOptimizer(K.SGD(0.5, momentum=0.5) if kind == "SGD" else K.Adam(0.5))
-    apply = tf.function(opt.apply_gradients) if graph else opt.apply_gradients
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(tfde.embedding_lookup(var, tf.constant([1, 2], tf.int64), training=True))
     (right,) = tape.gradient(loss, [var.step_buffer])
-    bad = (
-        tf.ones([5, 2])
-        if wrong == "rows"
-        else tf.IndexedSlices(tf.ones([2, 2]), tf.constant([0, 7]), tf.constant([2, 2]))
-    )
+
+    def bad():  # made where it is applied: a tf.function cannot take an IndexedSlices of mismatched parts
+        return {
+            "rows": lambda: tf.ones([5, 2]),
+            "indices": lambda: tf.IndexedSlices(tf.ones([2, 2]), tf.constant([0, 7]), tf.constant([2, 2])),
+            "values": lambda: tf.IndexedSlices(tf.ones([3, 2]), tf.constant([0, 1]), tf.constant([2, 2])),
+        }[wrong]()
+
+    def run(step):
+        return tf.function(step)() if graph else step()
+
     error = tf.errors.InvalidArgumentError if graph else tfde.ShapeError
     with pytest.raises(error, match="step buffer has .* the keys this step looked up"):
-        apply([(bad, var.step_buffer)])
+        run(lambda: opt.apply_gradients([(bad(), var.step_buffer)]))
     assert int(var.size()) == 0 and int(var._step_size()) == 2
-    apply([(right, var.step_buffer)])
+    run(lambda: opt.apply_gradients([(right, var.step_buffer)]))
     rows = var.lookup(tf.constant([1, 2], tf.int64)).numpy()
     np.testing.assert_allclose(rows, [[0.5, 0.5]] * 2, rtol=1e-5)  # one step of 0.5 (Adam's first: lr * sign)
 

@@ -314,3 +314,12 @@ def test_a_trigger_below_num_reserved_is_refused_and_changes_nothing():
         var.restrict(3, trigger=-1)
     assert int(var.size()) == 10
     assert var.restrict(3, trigger=5) == 7 and int(var.size()) == 3
+
+
+def test_numpy_integers_are_counts_like_ints():
+    var = tfde.Variable("np-counts", dim=2, initializer=0.0, restrict_policy=tfde.FrequencyRestrictPolicy)
+    var.upsert(tf.constant(np.arange(10), tf.int64), tf.ones([10, 2]))
+    assert var.restrict(np.int64(3), trigger=np.int32(5)) == 7 and int(var.size()) == 3
+    callback = tfde.keras.callbacks.RestrictCallback(max_size=np.int64(10), num_reserved=np.int64(9))
+    assert callback._args["max_size"] == 10
+    assert tfde.AutoRestrictor([var], every_n_steps=np.int64(2), max_size=np.int64(2)).after_step(2) == 1

@@ -229,3 +229,16 @@ def test_a_checkpoint_manager_of_a_none_object_is_refused(tmp_path):
     optimizer = getattr(model, "optimizer", None)  # tf-keras: None until compile(); Keras 3: no attribute yet
     with pytest.raises(tfde.ConfigError, match="CheckpointManager got None for optimizer; pass the objects"):
         tfde.CheckpointManager(str(tmp_path), model=model, optimizer=optimizer)  # TensorFlow failed at save()
+
+
+def test_rows_given_as_a_list_of_tensors_inside_a_tf_function_are_stacked():
+    # The overflow check's numpy path must leave symbolic tensors to TensorFlow (np.asarray cannot read them).
+    var = tfde.Variable("list-of-tensors", dim=2, initializer=0.0)
+
+    @tf.function
+    def write(a, b):
+        var.upsert([1, 2], [a, b])
+        var.import_([3], [a])
+
+    write(tf.constant([1.0, 2.0]), tf.constant([3.0, 4.0]))
+    np.testing.assert_array_equal(var.lookup([1, 2, 3]).numpy(), [[1, 2], [3, 4], [1, 2]])

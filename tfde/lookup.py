@@ -198,26 +198,26 @@ def embedding_lookup_ragged(
     _check_var(var)
     if not isinstance(ragged_ids, tf.RaggedTensor):
         raise ShapeError(f"ragged_ids must be a tf.RaggedTensor, got {type(ragged_ids).__name__}")
+    if combiner is not None and ragged_ids.ragged_rank != 1:
+        raise ShapeError(
+            f"combining needs a 2-D ragged tensor [batch, (ids)]; got ragged_rank {ragged_ids.ragged_rank}"
+        )
+    if weights is not None and not isinstance(weights, tf.RaggedTensor):
+        raise ShapeError(f"weights must be None or a tf.RaggedTensor like ragged_ids, got {type(weights).__name__}")
     with tf.name_scope(name or "tfde_embedding_lookup_ragged"):
-        rows = _rows_for_unique(var, var._keys(ragged_ids.flat_values), training)
+        checks = []
+        if weights is not None and combiner is not None:
+            checks.append(
+                _require(
+                    _same(tf.cast(ragged_ids.row_splits, tf.int64), tf.cast(weights.row_splits, tf.int64)),
+                    "weights must have the row lengths of ragged_ids (one weight per id, in the same rows)",
+                )
+            )
+        with tf.control_dependencies(checks):  # before any row is read or made
+            rows = _rows_for_unique(var, var._keys(ragged_ids.flat_values), training)
         if combiner is None:
             return ragged_ids.with_flat_values(rows)
-        if ragged_ids.ragged_rank != 1:
-            raise ShapeError(
-                f"combining needs a 2-D ragged tensor [batch, (ids)]; got ragged_rank {ragged_ids.ragged_rank}"
-            )
         segments = tf.cast(ragged_ids.value_rowids(), tf.int32)
         batch = tf.cast(ragged_ids.nrows(), tf.int32)
-        w = None
-        if weights is not None:
-            if not isinstance(weights, tf.RaggedTensor):
-                raise ShapeError(
-                    f"weights must be None or a tf.RaggedTensor like ragged_ids, got {type(weights).__name__}"
-                )
-            same = _require(
-                _same(tf.cast(ragged_ids.row_splits, tf.int64), tf.cast(weights.row_splits, tf.int64)),
-                "weights must have the row lengths of ragged_ids (one weight per id, in the same rows)",
-            )
-            with tf.control_dependencies([same]):
-                w = tf.identity(weights.flat_values)
+        w = None if weights is None else weights.flat_values
         return _combine(rows, segments, batch, w, combiner)

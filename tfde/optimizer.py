@@ -437,8 +437,11 @@ def _fitting_the_step(var, grad, indices, values):
     size = var._step_size()
     if isinstance(grad, tf.IndexedSlices):
         indices = tf.cast(indices, tf.int32)
-        fits = tf.reduce_all(tf.logical_and(indices >= 0, indices < size))
-        seen = "indices outside"
+        fits = tf.logical_and(
+            tf.equal(tf.shape(values)[0], tf.size(indices)),
+            tf.reduce_all(tf.logical_and(indices >= 0, indices < size)),
+        )
+        seen = "indices outside (or values not one per index of)"
     else:
         fits = tf.equal(tf.shape(values)[0], size)
         seen = "another number of rows than"

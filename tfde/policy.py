@@ -38,6 +38,7 @@ removes its own keys below it (with a shared Redis store, the keys it owns).
 from __future__ import annotations
 
 import abc
+import numbers
 import time
 from typing import Any, Optional, Sequence
 
@@ -200,18 +201,14 @@ class _ScoredPolicy(RestrictPolicy):
         return np.concatenate(keys), np.concatenate(scores), np.concatenate(hashes)
 
     def restrict(self, num_reserved: Optional[int] = None, trigger: Optional[int] = None) -> int:
-        if (
-            num_reserved is None
-            or isinstance(num_reserved, bool)
-            or not isinstance(num_reserved, int)
-            or num_reserved < 0
-        ):
+        if not _is_whole(num_reserved) or num_reserved < 0:
             raise ConfigError(f"num_reserved must be an int >= 0, got {num_reserved!r}")
-        if trigger is not None and (isinstance(trigger, bool) or not isinstance(trigger, int) or trigger < 0):
+        if trigger is not None and (not _is_whole(trigger) or trigger < 0):
             raise ConfigError(
                 f"trigger must be None or an int >= 0 (restriction runs when a table holds more than trigger "
                 f"keys), got {trigger!r}"
             )
+        num_reserved, trigger = int(num_reserved), _whole(trigger)
         trigger = num_reserved if trigger is None else trigger
         view = _WorkerView(self.variable)
         if view.size() <= trigger:
@@ -324,7 +321,7 @@ class TTLPolicy(TimestampRestrictPolicy):
         if (ttl_steps is None) == (ttl_s is None):
             raise ConfigError("TTLPolicy needs exactly one of ttl_steps= or ttl_s=")
         value = ttl_steps if ttl_steps is not None else ttl_s
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)) or not 0 < value < float("inf"):
             raise ConfigError(f"the TTL must be a positive, finite number, got {value!r}")
         if ttl_steps is not None and not float(ttl_steps).is_integer():
             raise ConfigError(f"ttl_steps counts optimizer steps: a whole number, got {ttl_steps!r}")
@@ -360,6 +357,15 @@ class TTLPolicy(TimestampRestrictPolicy):
         return self._remove(keys[scores < now - self.ttl])
 
 
+def _is_whole(value) -> bool:
+    """An int or numpy integer (not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _whole(value):
+    return None if value is None else int(value)
+
+
 def check_schedule(every_n_steps, max_size, num_reserved, who: str) -> None:
     """ConfigError unless the arguments of AutoRestrictor (and of the
     RestrictCallback that makes one) make a schedule: positive ints, at
@@ -367,7 +373,7 @@ def check_schedule(every_n_steps, max_size, num_reserved, who: str) -> None:
     if every_n_steps is None and max_size is None:
         raise ConfigError(f"{who} needs every_n_steps=, max_size= or both")
     for name, value in (("every_n_steps", every_n_steps), ("max_size", max_size), ("num_reserved", num_reserved)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (not _is_whole(value) or value < 1):
             raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
     if max_size is not None and num_reserved is not None and num_reserved > max_size:
         raise ConfigError(
@@ -399,12 +405,11 @@ class AutoRestrictor:
         max_size: Optional[int] = None,
         num_reserved: Optional[int] = None,
     ) -> None:
-        from tfde.variable import Variable
-
         self.variables = list(variables)
         check_schedule(every_n_steps, max_size, num_reserved, "AutoRestrictor")
+        every_n_steps, max_size, num_reserved = (_whole(x) for x in (every_n_steps, max_size, num_reserved))
         for v in self.variables:
-            if not isinstance(v, Variable):
+            if not (callable(getattr(v, "restrict", None)) and hasattr(v, "restrict_policy")):
                 raise ConfigError(f"AutoRestrictor restricts tfde Variables (e.g. layer.params), got {v!r}")
             if v.restrict_policy is None:
                 raise ConfigError(

@@ -96,22 +96,31 @@ def _check_arguments(seed, trainable, restrict_policy, admission_filter) -> None
     """ConfigError for Variable arguments of the wrong kind, before any
     table is made (int('abc'), bool('no') and a str policy failed or passed
     far from the cause)."""
-    from tfde.admission import AdmissionFilter
-    from tfde.policy import RestrictPolicy
-
     number = int_arg(seed)
     if seed is not None and (number is None or not -(2**63) <= number < 2**63):
         raise ConfigError(f"seed must be None or an int in [-2**63, 2**63), got {seed!r}")
     if not isinstance(trainable, (bool, np.bool_)):
         raise ConfigError(f"trainable must be True or False, got {trainable!r}")
-    for arg, value, kind, example in (
-        ("restrict_policy", restrict_policy, RestrictPolicy, "tfde.FrequencyRestrictPolicy"),
-        ("admission_filter", admission_filter, AdmissionFilter, "tfde.CounterFilter(min_count=2)"),
+    # By their methods (tfde/policy.py and tfde/admission.py import this module).
+    for arg, value, methods, kind, example in (
+        (
+            "restrict_policy",
+            restrict_policy,
+            ("bind", "restrict"),
+            "RestrictPolicy class or instance",
+            "tfde.FrequencyRestrictPolicy",
+        ),
+        (
+            "admission_filter",
+            admission_filter,
+            ("bind", "admit"),
+            "AdmissionFilter instance",
+            "tfde.CounterFilter(min_count=2)",
+        ),
     ):
-        is_class = isinstance(value, type) and issubclass(value, kind)
-        if value is not None and not (isinstance(value, kind) or (is_class and arg == "restrict_policy")):
-            what = "class or instance" if arg == "restrict_policy" else "instance"
-            raise ConfigError(f"{arg} must be None or a tfde {kind.__name__} {what} (e.g. {example}), got {value!r}")
+        fits = all(callable(getattr(value, m, None)) for m in methods)
+        if value is not None and not (fits and (arg == "restrict_policy" or not isinstance(value, type))):
+            raise ConfigError(f"{arg} must be None or a tfde {kind} (e.g. {example}), got {value!r}")
 
 
 class Variable(tf.Module):
@@ -410,9 +419,14 @@ class Variable(tf.Module):
             values = widened_deltas(tf.convert_to_tensor(values, dtype_hint=hint), self.value_dtype)
         elif isinstance(values, (list, tuple, float, int, np.ndarray, np.number)):
             # Python numbers keep float64 until the checked cast below (a
-            # dtype hint would make 1e300 an inf of float32 silently).
-            array = np.asarray(values)
-            values = tf.constant(array) if array.dtype.kind in "fiu" else tf.convert_to_tensor(values)
+            # dtype hint would make 1e300 an inf of float32 silently); a
+            # list holding tensors is stacked by TensorFlow (in a graph,
+            # numpy cannot read them).
+            if any(tf.is_tensor(x) or isinstance(x, tf.Variable) for x in tf.nest.flatten(values)):
+                values = tf.convert_to_tensor(values)
+            else:
+                array = np.asarray(values)
+                values = tf.constant(array) if array.dtype.kind in "fiu" else tf.convert_to_tensor(values)
         else:
             values = tf.convert_to_tensor(values, dtype_hint=self.value_dtype)
         if values.dtype != self.value_dtype and not (wider_ok and values.dtype in (tf.float32, tf.float64)):

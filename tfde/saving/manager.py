@@ -57,7 +57,6 @@ from typing import Any, List, Optional
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.checkpoint import graph_view
 
 from tfde import exchange, semi_sync
 from tfde.errors import CheckpointError, ConfigError
@@ -374,29 +373,12 @@ class CheckpointManager:
             sources = read_manifest(path, (0, 1) if host is None else (host.rank, host.size))
             registered.check_optimizers(self._checkpoint, sources[0][0], sources[0][1])
             registered.restore_sources(sources[0][0], sources)
-            dense = _dense_values(self._checkpoint)
-            try:
-                self._checkpoint.read(sources[0][0]).expect_partial()
-            except Exception:
-                # TensorFlow restores the dense variables (the optimizer's
-                # step and learning rate among them) before the tfde
-                # Variables that refuse, and stops at the first variable
-                # that does not fit: a refused restore puts them back.
-                for variable, value in dense:
-                    variable.assign(value)
-                raise
+            # TensorFlow restores the dense variables (the step and the
+            # learning rate among them) before tfde's tables: a tfde Variable
+            # that does not fit the checkpoint refuses it before the read.
+            registered.check_before_read(self._checkpoint, sources[0][0])
+            self._checkpoint.read(sources[0][0]).expect_partial()
         return path
-
-
-def _dense_values(checkpoint):
-    """[(variable, its value now)] of every TensorFlow or Keras variable
-    `checkpoint` reaches (tfde's rows are not among them)."""
-    objects, _ = graph_view.ObjectGraphView(checkpoint).breadth_first_traversal()
-    return [
-        (obj, obj.numpy())
-        for obj in objects
-        if isinstance(obj, (tf.Variable, tf.keras.Variable) if IS_KERAS3 else tf.Variable)
-    ]
 
 
 def _refuse_unbuilt_keras3_models(objects) -> None:

@@ -20,8 +20,9 @@ import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
+from tensorflow.python.checkpoint import graph_view
 from tensorflow.python.saved_model.registration import registration
-from tensorflow.python.trackable import python_state
+from tensorflow.python.trackable import python_state, trackable_utils
 
 from tfde import semi_sync
 from tfde.errors import CheckpointError
@@ -47,6 +48,21 @@ _refused: Dict[int, CheckpointError] = {}
 
 def restore_sources(prefix: str, sources: Sequence[Tuple[str, str]]) -> None:
     _sources[prefix] = list(sources)
+
+
+def check_before_read(checkpoint, prefix: str) -> None:
+    """Raises CheckpointError when a tfde Variable that `checkpoint` reaches
+    (built already) has other keys, dim or dtype than the checkpoint at
+    `prefix` saved for it, before TensorFlow restores anything.  Variables
+    are found where the checkpoint's object graph puts them, as its saver
+    names them; one the checkpoint does not hold there is left to the
+    restore itself."""
+    sources = _sources.get(prefix) or [(prefix, prefix)]
+    _, paths = graph_view.ObjectGraphView(checkpoint).breadth_first_traversal()
+    for obj, path in paths.items():
+        if isinstance(obj, Variable):
+            base = fmt.base_name(trackable_utils.object_path_to_string(path))
+            state.check_compatible(obj, [fmt.BundleReader(p, base, where) for p, where in sources])
 
 
 def _eager_path(tensor, what: str) -> str:

@@ -7,6 +7,7 @@ field and the expected form.  Passwords never appear in repr() or errors.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -198,7 +199,7 @@ class RedisTableConfig:
                     raise ConfigError(
                         f'{tags_name} entry {tag!r} is not a Redis hash tag; expected the form "{{name}}"'
                     )
-            twice = sorted({t for t in tags if tags.count(t) > 1})
+            twice = sorted(t for t, n in collections.Counter(tags).items() if n > 1)
             if twice:  # two buckets would share one Redis hash: every key counted and exported twice
                 raise ConfigError(
                     f"{tags_name} names {twice} for more than one bucket; expected a different tag per bucket "
