@@ -13,6 +13,7 @@ from typing import Optional, Union
 import tensorflow as tf
 
 from tfde.errors import ConfigError, ShapeError
+from tfde.tables.base import require
 from tfde.types import KeysLike
 from tfde.variable import Variable, in_tf_data_function, trainable_lookups_of
 
@@ -102,17 +103,6 @@ def _combine(rows, segment_ids, num_segments, weights, combiner):
     return tf.math.divide_no_nan(summed, denom[:, None])
 
 
-def _require(condition, message: str):
-    """Eagerly: raises ShapeError(message) unless `condition` holds.  In a
-    graph: an assert op (InvalidArgumentError with the message when it
-    runs) for the caller's control dependencies."""
-    if tf.executing_eagerly():
-        if not bool(condition):
-            raise ShapeError(message)
-        return tf.no_op()
-    return tf.debugging.Assert(condition, [message])
-
-
 def _same(a, b):
     """Whether a and b (int64) have the same shape and values."""
     if a.shape.rank != b.shape.rank:
@@ -131,16 +121,14 @@ def _sparse_checks(sp_ids, sp_weights):
     id's row is within the batch, and weights sit at the ids' positions
     (they are paired with the ids by position)."""
     row = sp_ids.indices[:, 0]
-    checks = [
-        _require(
-            tf.reduce_all(tf.logical_and(row >= 0, row < sp_ids.dense_shape[0])),
-            "sp_ids has an index whose row is outside its dense_shape[0] (the batch): the row of every id must be in "
-            "[0, batch)",
-        )
-    ]
+    checks = require(
+        tf.reduce_all(tf.logical_and(row >= 0, row < sp_ids.dense_shape[0])),
+        "sp_ids has an index whose row is outside its dense_shape[0] (the batch): the row of every id must be in "
+        "[0, batch)",
+    )
     if sp_weights is not None:
-        checks.append(
-            _require(
+        checks.extend(
+            require(
                 tf.logical_and(
                     _same(sp_ids.indices, sp_weights.indices), _same(sp_ids.dense_shape, sp_weights.dense_shape)
                 ),
@@ -207,8 +195,8 @@ def embedding_lookup_ragged(
     with tf.name_scope(name or "tfde_embedding_lookup_ragged"):
         checks = []
         if weights is not None and combiner is not None:
-            checks.append(
-                _require(
+            checks.extend(
+                require(
                     _same(tf.cast(ragged_ids.row_splits, tf.int64), tf.cast(weights.row_splits, tf.int64)),
                     "weights must have the row lengths of ragged_ids (one weight per id, in the same rows)",
                 )

@@ -37,11 +37,12 @@ import tensorflow as tf
 from tfde import exchange as _exchange
 from tfde import semi_sync as _semi_sync
 from tfde import step_kernels
-from tfde.errors import ConfigError, ShapeError, UnsupportedOptimizerError
+from tfde.errors import ConfigError, UnsupportedOptimizerError
 from tfde.flavour import flavour_fix, keras_flavour_name
 from tfde.optimizer_rules import RULES, compute_dtype, hp
 from tfde.optimizer_rules import rule_for as _rule_for
 from tfde.saving import registered as _registered
+from tfde.tables.base import require
 from tfde.variable import exclusively, is_step_buffer, next_training_step, training_step
 
 
@@ -445,17 +446,15 @@ def _fitting_the_step(var, grad, indices, values):
     else:
         fits = tf.equal(tf.shape(values)[0], size)
         seen = "another number of rows than"
-    message = (
+    checks = require(
+        fits,
         f"the gradient of {var.name!r}'s step buffer has {seen} the keys this step looked up; pass the "
-        "gradients tape.gradient returned for the model's trainable variables, unchanged in shape"
+        "gradients tape.gradient returned for the model's trainable variables, unchanged in shape",
+        {"gradient rows": tf.shape(values)[0], "keys": size},
     )
-    if tf.executing_eagerly():
-        if not bool(fits):
-            raise ShapeError(f"{message} (gradient rows {int(tf.shape(values)[0])}, keys {int(size)})")
+    if not checks:
         return values
-    with tf.control_dependencies(
-        [tf.debugging.Assert(fits, [message, "gradient rows", tf.shape(values)[0], "keys", size])]
-    ):
+    with tf.control_dependencies(checks):
         return tf.identity(values)
 
 

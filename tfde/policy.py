@@ -50,6 +50,7 @@ from tfde._defaults import CHUNK_ROWS
 from tfde.errors import ConfigError
 from tfde.hashing import stable_hash
 from tfde.initializers import InitSpec
+from tfde.tables.base import int_arg
 
 
 class RestrictPolicy(abc.ABC):
@@ -201,15 +202,15 @@ class _ScoredPolicy(RestrictPolicy):
         return np.concatenate(keys), np.concatenate(scores), np.concatenate(hashes)
 
     def restrict(self, num_reserved: Optional[int] = None, trigger: Optional[int] = None) -> int:
-        if not _is_whole(num_reserved) or num_reserved < 0:
+        reserved, limit = int_arg(num_reserved), int_arg(trigger)
+        if reserved is None or reserved < 0:
             raise ConfigError(f"num_reserved must be an int >= 0, got {num_reserved!r}")
-        if trigger is not None and (not _is_whole(trigger) or trigger < 0):
+        if trigger is not None and (limit is None or limit < 0):
             raise ConfigError(
                 f"trigger must be None or an int >= 0 (restriction runs when a table holds more than trigger "
                 f"keys), got {trigger!r}"
             )
-        num_reserved, trigger = int(num_reserved), _whole(trigger)
-        trigger = num_reserved if trigger is None else trigger
+        num_reserved, trigger = reserved, reserved if trigger is None else limit
         view = _WorkerView(self.variable)
         if view.size() <= trigger:
             return 0
@@ -357,15 +358,6 @@ class TTLPolicy(TimestampRestrictPolicy):
         return self._remove(keys[scores < now - self.ttl])
 
 
-def _is_whole(value) -> bool:
-    """An int or numpy integer (not a bool)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _whole(value):
-    return None if value is None else int(value)
-
-
 def check_schedule(every_n_steps, max_size, num_reserved, who: str) -> None:
     """ConfigError unless the arguments of AutoRestrictor (and of the
     RestrictCallback that makes one) make a schedule: positive ints, at
@@ -373,7 +365,7 @@ def check_schedule(every_n_steps, max_size, num_reserved, who: str) -> None:
     if every_n_steps is None and max_size is None:
         raise ConfigError(f"{who} needs every_n_steps=, max_size= or both")
     for name, value in (("every_n_steps", every_n_steps), ("max_size", max_size), ("num_reserved", num_reserved)):
-        if value is not None and (not _is_whole(value) or value < 1):
+        if value is not None and (int_arg(value) is None or value < 1):
             raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
     if max_size is not None and num_reserved is not None and num_reserved > max_size:
         raise ConfigError(
@@ -407,7 +399,7 @@ class AutoRestrictor:
     ) -> None:
         self.variables = list(variables)
         check_schedule(every_n_steps, max_size, num_reserved, "AutoRestrictor")
-        every_n_steps, max_size, num_reserved = (_whole(x) for x in (every_n_steps, max_size, num_reserved))
+        every_n_steps, max_size, num_reserved = (int_arg(x) for x in (every_n_steps, max_size, num_reserved))
         for v in self.variables:
             if not (callable(getattr(v, "restrict", None)) and hasattr(v, "restrict_policy")):
                 raise ConfigError(f"AutoRestrictor restricts tfde Variables (e.g. layer.params), got {v!r}")

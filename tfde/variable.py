@@ -53,6 +53,7 @@ from tfde.tables.base import (
     check_same_count,
     int_arg,
     key_tensor,
+    require,
     widened_deltas,
 )
 from tfde.tables.cuckoo import CuckooTableCreator
@@ -396,15 +397,14 @@ class Variable(tf.Module):
         cast = tf.cast(values, self.value_dtype)
         finite = tf.math.is_finite(values) if values.dtype.is_floating else tf.ones(tf.shape(values), tf.bool)
         overflow = tf.reduce_any(tf.logical_and(finite, tf.logical_not(tf.math.is_finite(cast))))
-        message = (
+        checks = require(
+            tf.logical_not(overflow),
             f"{what} for {self.name!r} ({values.dtype.name}) hold numbers beyond the range of its value dtype "
-            f"{self.value_dtype.name}, which would be stored as infinities; scale them or use a wider value_dtype"
+            f"{self.value_dtype.name}, which would be stored as infinities; scale them or use a wider value_dtype",
         )
-        if tf.executing_eagerly():
-            if bool(overflow):
-                raise ShapeError(message)
+        if not checks:
             return cast
-        with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(overflow), [message])]):
+        with tf.control_dependencies(checks):
             return tf.identity(cast)
 
     def _rows_arg(self, values, what="values", wider_ok=False):

@@ -277,6 +277,21 @@ def creator_from_config(config) -> Optional[TableCreator]:
     return _CREATORS[kind].from_config(dict(config.get("config", {})))
 
 
+def require(condition, message: str, details: Optional[dict] = None) -> list:
+    """A check on values a graph knows only when it runs: eagerly raises
+    ShapeError(message) unless `condition` holds and returns []; in a graph
+    returns [an assert] (InvalidArgumentError with the message when it
+    fails) for what must not run before it to depend on.  `details` (name:
+    scalar tensor) follow the message."""
+    details = details or {}
+    if tf.executing_eagerly():
+        if not bool(condition):
+            shown = ", ".join(f"{name} {int(value)}" for name, value in details.items())
+            raise ShapeError(f"{message} ({shown})" if shown else message)
+        return []
+    return [tf.debugging.Assert(condition, [message] + [x for item in details.items() for x in item])]
+
+
 def check_same_count(keys: tf.Tensor, rows: tf.Tensor, what: str) -> list:
     """Raises ShapeError when 1-D `keys` and [n, dim] `rows` have statically
     different lengths; returns the run-time check for lengths a graph only
