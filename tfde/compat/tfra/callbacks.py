@@ -40,7 +40,10 @@ def DEHvdModelCheckpoint(
     save_freq=save_freq, max_to_keep=None): every worker writes its part of
     each checkpoint (rows, optimizer slots, policy state, dense weights and
     the optimizer) atomically, as ``ckpt-<step>`` in that directory, and every
-    checkpoint is kept, as Keras's callback keeps every file.
+    step's checkpoint is kept, as Keras's callback keeps every file.  A step
+    saved again in the same directory (a rerun, or another program writing
+    there) replaces that step's older checkpoint (docs/saving.md, "Atomic
+    saves").
 
     The file-name part of `filepath` (``weights_epoch{epoch:03d}...``) is not
     used: restore with tfde.CheckpointManager(directory, model=...,
