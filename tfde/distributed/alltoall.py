@@ -12,7 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfde import exchange
-from tfde.distributed.keys import carrier_dtype, pack_keys
+from tfde.distributed.keys import carrier_dtype, pack_keys, sum_gathered
 from tfde.errors import ConfigError
 
 
@@ -144,22 +144,16 @@ class AllToAllExchange(exchange.Exchange):
         return [exchange.sum_per_key(unpack(keys[i], i), grads[i]) for i in range(len(parts))]
 
     def sum_everywhere(self, parts):
-        # Every part's keys and values gathered on every worker (two
-        # all-gathers per part), then summed per key: every worker sums
-        # the same gathered values in the same order.
+        # Every worker's keys and values gathered on every worker and
+        # summed there, three all-gathers for all the parts
+        # (keys.sum_gathered).
         if self.all_gather is None:
             raise ConfigError(f"{type(self).__name__} was made without all_gather=: it cannot sum over every worker")
 
         def gather(t):
             return exchange.measured(self.all_gather, t)
 
-        packed, unpack = pack_keys([keys for keys, _ in parts], self._max, two_d=True)
-        counts = [tf.shape(keys, out_type=tf.int32)[0] for keys, _ in parts]
-        out = []
-        for i, (piece, (_, values)) in enumerate(zip(tf.split(packed, tf.stack(counts), num=len(parts)), parts)):
-            keys = unpack(gather(piece), i)
-            out.append(exchange.sum_per_key(keys, gather(values)))
-        return out
+        return sum_gathered(parts, gather, self._max, self.size)
 
 
 def _width(rows) -> int:

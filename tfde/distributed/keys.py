@@ -1,4 +1,5 @@
-"""Keys on collectives that carry numbers only (tfde/distributed/)."""
+"""Keys on collectives that carry numbers only, and the unions and per-key
+sums of every worker's keys gathered on every worker (tfde/distributed/)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,64 @@ def carrier_dtype(dtypes):
     if len(dtypes) == 1:
         return dtypes.pop()
     return tf.float64 if tf.float64 in dtypes else tf.float32
+
+
+def gathered_unions(key_lists, gather, gather_blocks, max_over_workers, size):
+    """(per list of `key_lists` (one per part, this worker's keys): (the
+    union of every worker's keys of that part, the same on every worker, in
+    order of first appearance; positions in it of every worker's keys,
+    worker after worker), the key counts [worker, part] int32).  gather(t):
+    the concatenation over the workers of t; gather_blocks(t, rows per
+    worker): the same for t that may be empty on every worker.  One gather
+    of every part's key count, one of every part's keys (string keys: one
+    max_over_workers more, for their longest length)."""
+    parts = len(key_lists)
+    counts = tf.stack([tf.shape(k, out_type=tf.int32)[0] for k in key_lists])
+    sizes = tf.reshape(gather(counts), [size, parts])  # [worker, part]
+    packed, unpack = pack_keys(key_lists, max_over_workers)
+    # Worker after worker, each worker's parts in order.
+    every = gather_blocks(packed, tf.reduce_sum(sizes, axis=1))
+    if parts == 1:
+        pieces = [every]
+    else:
+        part_of = tf.repeat(tf.tile(tf.range(parts), [size]), tf.reshape(sizes, [-1]))
+        pieces = tf.dynamic_partition(every, part_of, parts)
+    unions = [tf.unique(unpack(pieces[i], i), out_idx=tf.int32) for i in range(parts)]
+    return [(u.y, u.idx) for u in unions], sizes
+
+
+def sum_gathered(parts, gather, max_over_workers, size):
+    """Per part of `parts` (this worker's (keys [n], values [n, d] of a
+    static d)): (the union of every worker's keys, the same on every
+    worker; [u, d] the values every worker passed with each key, summed).
+    Every worker's keys and values are gathered on every worker, in one
+    gather each for all the parts (gathered_unions, and the values
+    flattened in one float dtype: carrier_dtype), then summed per key worker
+    after worker: every worker sums the same numbers in the same order, so
+    the sums are the same on all.  gather(t): the concatenation over the
+    workers of t, which may be empty on every worker (Horovod's allgather);
+    max_over_workers: as for gathered_unions."""
+    keys = [k for k, _ in parts]
+    unions, sizes = gathered_unions(keys, gather, lambda t, _rows: gather(t), max_over_workers, size)
+    widths = []
+    for _, values in parts:
+        if values.shape.rank != 2 or values.shape[-1] is None:
+            raise ValueError(
+                f"tfde: values summed over the workers need a shape [n, d] of a static d, got {values.shape}"
+            )
+        widths.append(int(values.shape[-1]))
+    carrier = carrier_dtype([values.dtype for _, values in parts])
+    flat = tf.concat([tf.reshape(tf.cast(values, carrier), [-1]) for _, values in parts], 0)
+    # Worker after worker: each worker's parts in order, then one pad
+    # number (so that no gather is of nothing on every worker), split off
+    # with the parts.
+    every = gather(tf.concat([flat, tf.zeros([1], carrier)], 0))
+    lengths = tf.concat([sizes * tf.constant(widths, tf.int32)[None, :], tf.ones([size, 1], tf.int32)], 1)
+    n = len(parts) + 1  # pieces per worker
+    pieces = tf.split(every, tf.reshape(lengths, [-1]), num=size * n)
+    out = []
+    for i, ((union, positions), (_, values)) in enumerate(zip(unions, parts)):
+        gathered = tf.reshape(tf.concat(pieces[i::n], 0), [-1, widths[i]])
+        summed = tf.math.unsorted_segment_sum(gathered, positions, tf.size(union))
+        out.append((union, tf.ensure_shape(tf.cast(summed, values.dtype), [None, widths[i]])))
+    return out

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfde import exchange
 from tfde.distributed.fit_logs import FitLogs
-from tfde.distributed.keys import carrier_dtype, pack_keys, strings_from_codes
+from tfde.distributed.keys import carrier_dtype, gathered_unions, strings_from_codes
 from tfde.errors import ConfigError
 from tfde.hashing import stable_hash
 from tfde.local import local_variable
@@ -93,26 +93,17 @@ class GatherExchange(exchange.Exchange):
     def _unions(self, key_lists):
         """Per list of `key_lists` (one per part, this worker's keys): (the
         union of every worker's keys of that part, the same on every
-        worker; positions [n] of this worker's keys in it).  One all-gather
-        of every part's key count, one of every part's keys (string keys:
-        one more, for their longest length)."""
-        parts = len(key_lists)
-        counts = tf.stack([tf.shape(k, out_type=tf.int32)[0] for k in key_lists])
-        sizes = tf.reshape(self._gather(counts), [self.size, parts])  # [worker, part]
-        packed, unpack = pack_keys(key_lists, lambda n: tf.reduce_max(self._gather(n[None])))
-        # Worker after worker, each worker's parts in order.
-        every = self._gather_blocks(packed, tf.reduce_sum(sizes, axis=1))
-        if parts == 1:
-            pieces = [every]
-        else:
-            part_of = tf.repeat(tf.tile(tf.range(parts), [self.size]), tf.reshape(sizes, [-1]))
-            pieces = tf.dynamic_partition(every, part_of, parts)
+        worker; positions [n] of this worker's keys in it)."""
+        unions, sizes = gathered_unions(key_lists, self._gather, self._gather_blocks, self._longest, self.size)
         out = []
-        for i in range(parts):
-            union, index = tf.unique(unpack(pieces[i], i), out_idx=tf.int32)
+        for i, ((union, positions), keys) in enumerate(zip(unions, key_lists)):
             start = tf.reduce_sum(sizes[: self.rank, i])
-            out.append((union, index[start : start + counts[i]]))
+            out.append((union, positions[start : start + tf.shape(keys, out_type=tf.int32)[0]]))
         return out
+
+    def _longest(self, n):
+        """The largest of the workers' scalars `n` (one collective)."""
+        return tf.reduce_max(self._gather(n[None]))
 
     def rows_for_many(self, lookups):
         # The unions of the parts' keys (_unions), then one all-reduce of
@@ -131,7 +122,10 @@ class GatherExchange(exchange.Exchange):
 
     def sum_everywhere(self, parts):
         # The unions of the parts' keys (_unions), then one all-reduce of
-        # every part's values placed in its union.
+        # every part's values placed in its union.  Gathering every
+        # worker's values instead (keys.sum_gathered, as Horovod's exchange
+        # does) moved 38% fewer bytes in the DLRM demo's syncs, and took as
+        # long on loopback (docs/benchmarks.md).
         unions = self._unions([keys for keys, _ in parts])
         sums = [tf.math.unsorted_segment_sum(v, mine, tf.size(union)) for (union, mine), (_, v) in zip(unions, parts)]
         return [(union, summed) for (union, _), summed in zip(unions, self._sum_many(sums))]
