@@ -77,6 +77,13 @@ def test_every_worker_gets_every_keys_sum_in_the_same_order(size):
             np.testing.assert_array_equal(out[part][1].numpy(), results[0][part][1].numpy())
 
 
+def test_nothing_on_any_worker_sums_to_nothing():
+    # A sync after steps that changed no key: every part empty everywhere.
+    empty = [(tf.zeros([0], tf.int64), tf.zeros([0, 3])), (tf.zeros([0], tf.int64), tf.zeros([0, 1]))]
+    for out in _run_workers([empty] * 3):
+        assert [(u.shape.as_list(), s.shape.as_list()) for u, s in out] == [([0], [0, 3]), ([0], [0, 1])]
+
+
 def test_two_workers_sums_are_exact():
     # Two numbers summed once, in float32: what the owner's store adds.
     a = tf.constant([[1e8, 1.0]], tf.float32)

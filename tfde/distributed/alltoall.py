@@ -145,8 +145,8 @@ class AllToAllExchange(exchange.Exchange):
 
     def sum_everywhere(self, parts):
         # Every worker's keys and values gathered on every worker and
-        # summed there, three all-gathers for all the parts
-        # (keys.sum_gathered).
+        # summed there: three all-gathers for all the parts, and a max more
+        # with string keys (keys.sum_gathered).
         if self.all_gather is None:
             raise ConfigError(f"{type(self).__name__} was made without all_gather=: it cannot sum over every worker")
 

@@ -105,30 +105,28 @@ def sum_gathered(parts, gather, max_over_workers, size):
     static d)): (the union of every worker's keys, the same on every
     worker; [u, d] the values every worker passed with each key, summed).
     Every worker's keys and values are gathered on every worker, in one
-    gather each for all the parts (gathered_unions, and the values
-    flattened in one float dtype: carrier_dtype), then summed per key worker
-    after worker: every worker sums the same numbers in the same order, so
-    the sums are the same on all.  gather(t): the concatenation over the
-    workers of t, which may be empty on every worker (Horovod's allgather);
-    max_over_workers: as for gathered_unions."""
-    keys = [k for k, _ in parts]
-    unions, sizes = gathered_unions(keys, gather, lambda t, _rows: gather(t), max_over_workers, size)
+    gather each for all the parts (gathered_unions; the values flattened
+    in one dtype, carrier_dtype: float64 for all when one part is float64,
+    each sum then rounded once to its part's dtype), then summed per key
+    worker after worker: every worker sums the same numbers in the same
+    order, so the sums are the same on all.  gather(t): the concatenation
+    over the workers of t, which may be empty on every worker (Horovod's
+    allgather); max_over_workers: as for gathered_unions."""
     widths = []
-    for _, values in parts:
+    for _, values in parts:  # before any collective
         if values.shape.rank != 2 or values.shape[-1] is None:
             raise ValueError(
                 f"tfde: values summed over the workers need a shape [n, d] of a static d, got {values.shape}"
             )
         widths.append(int(values.shape[-1]))
+    keys = [k for k, _ in parts]
+    unions, sizes = gathered_unions(keys, gather, lambda t, _rows: gather(t), max_over_workers, size)
     carrier = carrier_dtype([values.dtype for _, values in parts])
     flat = tf.concat([tf.reshape(tf.cast(values, carrier), [-1]) for _, values in parts], 0)
-    # Worker after worker: each worker's parts in order, then one pad
-    # number (so that no gather is of nothing on every worker), split off
-    # with the parts.
-    every = gather(tf.concat([flat, tf.zeros([1], carrier)], 0))
-    lengths = tf.concat([sizes * tf.constant(widths, tf.int32)[None, :], tf.ones([size, 1], tf.int32)], 1)
-    n = len(parts) + 1  # pieces per worker
-    pieces = tf.split(every, tf.reshape(lengths, [-1]), num=size * n)
+    # Worker after worker, each worker's parts in order.
+    every = gather(flat)
+    n = len(parts)
+    pieces = tf.split(every, tf.reshape(sizes * tf.constant(widths, tf.int32)[None, :], [-1]), num=size * n)
     out = []
     for i, ((union, positions), (_, values)) in enumerate(zip(unions, parts)):
         gathered = tf.reshape(tf.concat(pieces[i::n], 0), [-1, widths[i]])
